@@ -1,0 +1,319 @@
+"""The one Redis client wrapper (redis-py asyncio + hiredis).
+
+Every stream operation of sluice goes through `Bus`. Delivery rules enforced here:
+
+- A consumer reads its own pending entries first (id ``0``), then new ones (``>``), so
+  a restarted consumer with the same name finishes what it had before taking more.
+- Acknowledging and retiring are one Lua script: ``XACK`` returns 1 only for the call
+  that removed the entry from the pending list, and only that call counts the group as
+  retired. So a group retires at most once even if two consumers race on a reclaimed
+  entry, and ``cursor == retired + in_flight`` holds.
+- The scorer hand-off is atomic and conditional (`Bus.handoff`): ``XACK`` on the input,
+  and ``XADD`` to the output only if that ack removed a pending entry. This is the
+  ``MULTI {XADD; XACK}`` of DESIGN.md written as a script, so that a scorer whose entry
+  was reclaimed meanwhile cannot emit the group a second time.
+- Nothing here trims unconsumed entries; streams are bounded by admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pipeline.keys import RETIRE_REASONS, Keys
+
+log = logging.getLogger("sluice.bus")
+
+T = TypeVar("T")
+
+# Errors after which the connection is retried with backoff rather than crashing.
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+_RETIRE = """
+-- KEYS: stream, state; ARGV: group, reason, id...
+local n = 0
+for i = 3, #ARGV do
+  n = n + redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+end
+if n > 0 then
+  redis.call('HINCRBY', KEYS[2], 'retired', n)
+  redis.call('HINCRBY', KEYS[2], 'retired:' .. ARGV[2], n)
+end
+return n
+"""
+
+_HANDOFF = """
+-- KEYS: src stream, dst stream; ARGV: group, id, field, payload
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  return redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[4])
+end
+return false
+"""
+
+_DEAD_LETTER = """
+-- KEYS: src stream, state, dlq; ARGV: group, id, retire(0|1), field/value pairs...
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  local fields = {}
+  for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+  redis.call('XADD', KEYS[3], '*', unpack(fields))
+  if ARGV[3] == '1' then
+    redis.call('HINCRBY', KEYS[2], 'retired', 1)
+    redis.call('HINCRBY', KEYS[2], 'retired:dead', 1)
+  end
+  return 1
+end
+return 0
+"""
+
+_ADMIT = """
+-- KEYS: state; ARGV: window. Returns the admitted cursor value, or -1 if closed.
+local cursor = tonumber(redis.call('HGET', KEYS[1], 'cursor') or '0')
+local retired = tonumber(redis.call('HGET', KEYS[1], 'retired') or '0')
+if cursor - retired < tonumber(ARGV[1]) then
+  redis.call('HSET', KEYS[1], 'cursor', cursor + 1)
+  redis.call('HINCRBY', KEYS[1], 'generating', 1)
+  return cursor
+end
+return -1
+"""
+
+_EMIT = """
+-- KEYS: rollouts, state; ARGV: field, payload. An admitted group leaves `generating`
+-- and enters the stream in one step, so the conservation equation holds at any instant.
+local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[2], 'generating', -1)
+return id
+"""
+
+_SET_VERSION = """
+-- KEYS: state; ARGV: version. state.version only moves forward.
+local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
+if tonumber(ARGV[1]) > v then
+  redis.call('HSET', KEYS[1], 'version', ARGV[1])
+  return 1
+end
+return 0
+"""
+
+
+@dataclass
+class Entry:
+    """One stream entry as read by a consumer; ``fields`` is None if it was deleted."""
+
+    id: str
+    fields: dict[bytes, bytes] | None
+    deliveries: int = 1
+
+
+def worker_id(role: str, name: str | None = None) -> str:
+    """``role/host-pid`` unless a stable name is given (trainer ranks resume by name)."""
+    return f"{role}/{name or f'{socket.gethostname()}-{os.getpid()}'}"
+
+
+class Bus:
+    """Async access to one run's streams and state. Create with `Bus.connect`."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, *, reconnect_max_s: float = 10.0):
+        self.r = client
+        self.keys = keys
+        self.reconnect_max_s = reconnect_max_s
+        self.healthy = True
+        self.reconnects = 0
+        self._retire = client.register_script(_RETIRE)
+        self._handoff = client.register_script(_HANDOFF)
+        self._dead = client.register_script(_DEAD_LETTER)
+        self._admit = client.register_script(_ADMIT)
+        self._set_version = client.register_script(_SET_VERSION)
+        self._emit = client.register_script(_EMIT)
+
+    @classmethod
+    def connect(cls, url: str, run: str, *, reconnect_max_s: float = 10.0,
+                username: str | None = None, password: str | None = None) -> Bus:
+        """Connect lazily (the first command opens the socket).
+
+        Credentials come from arguments, else ``SLUICE_REDIS_USERNAME`` /
+        ``SLUICE_REDIS_PASSWORD`` in the environment, never from argv.
+        """
+        client = aioredis.from_url(
+            url,
+            username=username or os.environ.get("SLUICE_REDIS_USERNAME") or None,
+            password=password or os.environ.get("SLUICE_REDIS_PASSWORD") or None,
+            decode_responses=False,
+            socket_connect_timeout=5,
+            health_check_interval=15,
+        )
+        return cls(client, Keys(run), reconnect_max_s=reconnect_max_s)
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    # ------------------------------------------------------------ resilience
+
+    async def retrying(self, op: Callable[[], Awaitable[T]], what: str,
+                       stop: asyncio.Event | None = None) -> T:
+        """Run ``op`` until it succeeds, backing off exponentially (capped) on connection
+        errors and marking the bus unhealthy meanwhile. Raises `asyncio.CancelledError`
+        if ``stop`` is set while waiting."""
+        delay = 0.05
+        while True:
+            try:
+                result = await op()
+            except TRANSIENT as e:
+                if self.healthy:
+                    log.warning("redis unavailable during %s: %s; retrying", what, e)
+                self.healthy = False
+                if stop is not None and stop.is_set():
+                    raise asyncio.CancelledError from e
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.reconnect_max_s)
+                continue
+            if not self.healthy:
+                log.warning("redis reachable again (%s)", what)
+                self.reconnects += 1
+            self.healthy = True
+            return result
+
+    # ------------------------------------------------------------ consumer groups
+
+    async def ensure_group(self, stream: str, group: str) -> None:
+        """Create the consumer group (and stream) if missing, starting at the beginning."""
+        try:
+            await self.r.xgroup_create(stream, group, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read_group(self, stream: str, group: str, consumer: str, *, count: int,
+                         block_ms: int) -> list[Entry]:
+        """Own pending entries first, then new ones (blocking up to ``block_ms``)."""
+        resp = await self.r.xreadgroup(group, consumer, {stream: "0"}, count=count)
+        entries = _entries(resp)
+        if entries:
+            counts = await self.delivery_counts(stream, group, [e.id for e in entries])
+            for e in entries:
+                e.deliveries = counts.get(e.id, 1)
+            return entries
+        resp = await self.r.xreadgroup(group, consumer, {stream: ">"}, count=count,
+                                       block=block_ms)
+        return _entries(resp)
+
+    async def delivery_counts(self, stream: str, group: str, ids: list[str]) -> dict[str, int]:
+        if not ids:
+            return {}
+        lo, hi = min(ids, key=_id_key), max(ids, key=_id_key)
+        rows = await self.r.xpending_range(stream, group, min=lo, max=hi, count=len(ids) + 1000)
+        return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+
+    async def reclaim(self, stream: str, group: str, consumer: str, *, min_idle_ms: int,
+                      count: int) -> list[Entry]:
+        """XAUTOCLAIM entries idle longer than ``min_idle_ms`` (their owner is presumed
+        dead) into ``consumer``; returns them with their delivery counts."""
+        resp = await self.r.xautoclaim(stream, group, consumer, min_idle_time=min_idle_ms,
+                                       start_id="0-0", count=count)
+        claimed = resp[1] if len(resp) > 1 else []
+        entries = [Entry(_s(i), f) for i, f in claimed if i is not None]
+        counts = await self.delivery_counts(stream, group, [e.id for e in entries])
+        for e in entries:
+            e.deliveries = counts.get(e.id, 1)
+        deleted = resp[2] if len(resp) > 2 else []
+        entries += [Entry(_s(i), None) for i in deleted]
+        return entries
+
+    async def ack(self, stream: str, group: str, *ids: str) -> int:
+        return int(await self.r.xack(stream, group, *ids)) if ids else 0
+
+    async def retire(self, stream: str, group: str, ids: list[str], reason: str) -> int:
+        """Ack ``ids`` and count each one whose ack took effect as retired for ``reason``."""
+        if reason not in RETIRE_REASONS:
+            raise ValueError(f"unknown retire reason {reason!r}")
+        if not ids:
+            return 0
+        return int(await self._retire(keys=[stream, self.keys.state], args=[group, reason, *ids]))
+
+    async def handoff(self, src: str, group: str, entry_id: str, dst: str,
+                      payload: bytes) -> str | None:
+        """Ack ``entry_id`` on ``src`` and append ``payload`` to ``dst``, atomically; the
+        append happens only if this ack removed a pending entry. Returns the new id."""
+        from pipeline.codec import FIELD
+
+        new_id = await self._handoff(keys=[src, dst], args=[group, entry_id, FIELD, payload])
+        return _s(new_id) if new_id else None
+
+    async def dead_letter(self, src: str, group: str, entry: Entry, *, reason: str, role: str,
+                          retire: bool) -> bool:
+        """Move an entry to the dlq with the reason, ack it, and (if it was an admitted
+        group) retire it as ``dead``; all in one script, at most once."""
+        fields: list[Any] = [b"reason", reason.encode()[:2000], b"role", role.encode(),
+                             b"src", src.encode(), b"src_id", entry.id.encode(),
+                             b"t", str(time.time()).encode()]
+        for k, v in (entry.fields or {}).items():
+            fields += [b"orig:" + k, v]
+        done = await self._dead(keys=[src, self.keys.state, self.keys.dlq],
+                                args=[group, entry.id, "1" if retire else "0", *fields])
+        return bool(done)
+
+    # ------------------------------------------------------------ state, gate, workers
+
+    async def admit(self, window: int) -> int | None:
+        """Claim the next admission cursor if fewer than ``window`` groups are in flight."""
+        cursor = int(await self._admit(keys=[self.keys.state], args=[window]))
+        return None if cursor < 0 else cursor
+
+    async def emit(self, payload: bytes) -> str:
+        """Append an admitted group to ``rollouts`` (and count it out of ``generating``)."""
+        from pipeline.codec import FIELD
+
+        return _s(await self._emit(keys=[self.keys.rollouts, self.keys.state],
+                                   args=[FIELD, payload]))
+
+    async def set_version(self, version: int) -> bool:
+        return bool(await self._set_version(keys=[self.keys.state], args=[version]))
+
+    async def state(self) -> dict[str, int]:
+        raw = await self.r.hgetall(self.keys.state)
+        return {_s(k): int(v) for k, v in raw.items()}
+
+    async def xadd(self, stream: str, payload: bytes, *, maxlen: int | None = None) -> str:
+        from pipeline.codec import FIELD
+
+        return _s(await self.r.xadd(stream, {FIELD: payload}, maxlen=maxlen, approximate=True))
+
+    async def heartbeat(self, wid: str, info: dict[str, Any]) -> None:
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "t": time.time(), **info}
+        await self.r.hset(self.keys.workers, wid, json.dumps(info))
+
+    async def forget_worker(self, wid: str) -> None:
+        await self.r.hdel(self.keys.workers, wid)
+
+    async def workers(self) -> dict[str, dict[str, Any]]:
+        raw = await self.r.hgetall(self.keys.workers)
+        return {_s(k): json.loads(v) for k, v in raw.items()}
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _entries(resp: Any) -> list[Entry]:
+    out: list[Entry] = []
+    for _stream, items in resp or []:
+        for entry_id, fields in items:
+            out.append(Entry(_s(entry_id), fields or None))
+    return out

@@ -1,0 +1,317 @@
+"""The one codec: msgpack maps with short stable keys, arrays as raw little-endian bytes.
+
+Invariants:
+- Every message carries ``schema`` and ``type``; a decoder accepts exactly
+  `SCHEMA_VERSION` and raises `DecodeError` (with a reason fit for the dead-letter
+  stream) on anything else: wrong types, ragged lengths, non-finite floats, token ids
+  outside the vocabulary, or a payload above the size limit. Nothing is unpickled.
+- ``decode(encode(m)) == m`` for every valid message.
+A stream entry holds one field, ``m``, with the encoded message.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from pipeline.schema import (
+    SCHEMA_VERSION,
+    Limits,
+    Rollout,
+    RolloutGroup,
+    RunFinished,
+    ScoredGroup,
+    WeightsPublished,
+)
+
+FIELD = b"m"
+
+Message = RolloutGroup | ScoredGroup | WeightsPublished | RunFinished
+
+
+class DecodeError(ValueError):
+    """A message failed validation; ``str(err)`` is the reason recorded in the dlq."""
+
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+_U8 = np.dtype("u1")
+
+
+def _arr(a: np.ndarray, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(a, dtype=dtype).tobytes()
+
+
+def _rollout_map(r: Rollout) -> dict[str, Any]:
+    return {
+        "ids": _arr(r.completion_ids, _I32),
+        "lp": _arr(r.logprobs, _F32),
+        "ver": _arr(r.versions, _I32),
+        "mask": _arr(r.mask, _U8),
+        "fin": r.finish_reason,
+        "text": r.text,
+    }
+
+
+def _group_map(g: RolloutGroup) -> dict[str, Any]:
+    return {
+        "gid": g.group_id,
+        "pidx": g.prompt_index,
+        "epoch": g.epoch,
+        "prompt": g.prompt,
+        "pids": _arr(g.prompt_ids, _I32),
+        "gen": g.generator,
+        "t_admit": g.t_admit,
+        "t_done": g.t_done,
+        "ro": [_rollout_map(r) for r in g.rollouts],
+    }
+
+
+def encode(msg: Message) -> bytes:
+    """Encode one message to bytes (never fails on a well-typed message)."""
+    body: dict[str, Any]
+    if isinstance(msg, RolloutGroup):
+        body = {"type": "rollout", **_group_map(msg)}
+    elif isinstance(msg, ScoredGroup):
+        body = {
+            "type": "scored",
+            **_group_map(msg.group),
+            "rew": _arr(msg.rewards, _F32),
+            "parts": {k: _arr(v, _F32) for k, v in msg.reward_parts.items()},
+            "adv": _arr(msg.advantages, _F32),
+            "scorer": msg.scorer,
+            "t_scored": msg.t_scored,
+        }
+    elif isinstance(msg, WeightsPublished):
+        body = {
+            "type": "weights",
+            "version": msg.version,
+            "step": msg.step,
+            "uri": msg.uri,
+            "format": msg.format,
+            "sha256": msg.sha256,
+            "nbytes": msg.nbytes,
+            "t": msg.t,
+        }
+    elif isinstance(msg, RunFinished):
+        body = {"type": "finished", "reason": msg.reason, "t": msg.t}
+    else:
+        raise TypeError(f"cannot encode {type(msg).__name__}")
+    body["schema"] = SCHEMA_VERSION
+    return msgpack.packb(body, use_bin_type=True)
+
+
+# ---------------------------------------------------------------- decoding helpers
+
+
+def _get(m: dict[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
+    if key not in m:
+        raise DecodeError(f"{where}: missing field {key!r}")
+    v = m[key]
+    # bool is an int subclass: never accept it where a number is expected
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise DecodeError(f"{where}.{key}: expected {types}, got bool")
+    if not isinstance(v, types):
+        raise DecodeError(f"{where}.{key}: expected {_names(types)}, got {type(v).__name__}")
+    return v
+
+
+def _names(types: type | tuple[type, ...]) -> str:
+    ts = types if isinstance(types, tuple) else (types,)
+    return "|".join(t.__name__ for t in ts)
+
+
+def _finite(v: float, where: str) -> float:
+    if not math.isfinite(v):
+        raise DecodeError(f"{where}: not finite ({v})")
+    return float(v)
+
+
+def _array(m: dict[str, Any], key: str, dtype: np.dtype, where: str, limits: Limits) -> np.ndarray:
+    raw = _get(m, key, bytes, where)
+    if len(raw) % dtype.itemsize:
+        raise DecodeError(f"{where}.{key}: {len(raw)} bytes is not a multiple of {dtype.itemsize}")
+    a = np.frombuffer(raw, dtype=dtype)
+    if len(a) > limits.max_tokens:
+        raise DecodeError(f"{where}.{key}: {len(a)} elements exceeds limit {limits.max_tokens}")
+    if dtype.kind == "f" and len(a) and not np.isfinite(a).all():
+        raise DecodeError(f"{where}.{key}: contains NaN or inf")
+    return a.astype(dtype.newbyteorder("="), copy=True)
+
+
+def _token_ids(m: dict[str, Any], key: str, where: str, limits: Limits) -> np.ndarray:
+    a = _array(m, key, _I32, where, limits)
+    if len(a) and (a.min() < 0 or a.max() >= limits.vocab_size):
+        raise DecodeError(f"{where}.{key}: token id outside [0, {limits.vocab_size})")
+    return a
+
+
+def _decode_rollout(m: Any, where: str, limits: Limits) -> Rollout:
+    if not isinstance(m, dict):
+        raise DecodeError(f"{where}: expected a map")
+    ids = _token_ids(m, "ids", where, limits)
+    lp = _array(m, "lp", _F32, where, limits)
+    ver = _array(m, "ver", _I32, where, limits)
+    mask = _array(m, "mask", _U8, where, limits)
+    if not (len(ids) == len(lp) == len(ver) == len(mask)):
+        raise DecodeError(
+            f"{where}: length mismatch ids={len(ids)} lp={len(lp)} ver={len(ver)} "
+            f"mask={len(mask)}"
+        )
+    if len(ver) and ver.min() < 0:
+        raise DecodeError(f"{where}.ver: negative version")
+    if len(mask) and mask.max() > 1:
+        raise DecodeError(f"{where}.mask: values must be 0 or 1")
+    if len(lp) and lp.max() > 1e-3:
+        raise DecodeError(f"{where}.lp: a log-probability above 0")
+    return Rollout(
+        completion_ids=ids,
+        logprobs=lp,
+        versions=ver,
+        mask=mask,
+        finish_reason=_get(m, "fin", str, where),
+        text=_get(m, "text", str, where),
+    )
+
+
+def _decode_prompt(v: Any, where: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise DecodeError(f"{where}.prompt: expected a map")
+    for k, x in v.items():
+        if not isinstance(k, str) or not isinstance(x, str | int | float | bool):
+            raise DecodeError(f"{where}.prompt: keys must be str and values scalars")
+        if isinstance(x, float) and not math.isfinite(x):
+            raise DecodeError(f"{where}.prompt.{k}: not finite")
+    return dict(v)
+
+
+def _decode_group(m: dict[str, Any], limits: Limits) -> RolloutGroup:
+    where = "group"
+    gid = _get(m, "gid", str, where)
+    where = f"group {gid}"
+    ro_raw = _get(m, "ro", list, where)
+    if not ro_raw:
+        raise DecodeError(f"{where}: no rollouts")
+    if len(ro_raw) > limits.max_rollouts:
+        raise DecodeError(f"{where}: {len(ro_raw)} rollouts exceeds limit {limits.max_rollouts}")
+    pidx = _get(m, "pidx", int, where)
+    epoch = _get(m, "epoch", int, where)
+    if pidx < 0 or epoch < 0:
+        raise DecodeError(f"{where}: negative prompt index or epoch")
+    return RolloutGroup(
+        group_id=gid,
+        prompt_index=pidx,
+        epoch=epoch,
+        prompt=_decode_prompt(_get(m, "prompt", dict, where), where),
+        prompt_ids=_token_ids(m, "pids", where, limits),
+        generator=_get(m, "gen", str, where),
+        t_admit=_finite(_get(m, "t_admit", (int, float), where), f"{where}.t_admit"),
+        t_done=_finite(_get(m, "t_done", (int, float), where), f"{where}.t_done"),
+        rollouts=[_decode_rollout(r, f"{where}.ro[{i}]", limits) for i, r in enumerate(ro_raw)],
+    )
+
+
+def _per_rollout(m: dict[str, Any], key: str, n: int, where: str, limits: Limits) -> np.ndarray:
+    a = _array(m, key, _F32, where, limits)
+    if len(a) != n:
+        raise DecodeError(f"{where}.{key}: {len(a)} values for {n} rollouts")
+    return a
+
+
+def _decode_scored(m: dict[str, Any], limits: Limits) -> ScoredGroup:
+    g = _decode_group(m, limits)
+    where = f"group {g.group_id}"
+    n = len(g.rollouts)
+    parts_raw = _get(m, "parts", dict, where)
+    parts: dict[str, np.ndarray] = {}
+    for k, v in parts_raw.items():
+        if not isinstance(k, str) or not isinstance(v, bytes):
+            raise DecodeError(f"{where}.parts: expected str -> bytes")
+        if len(v) != 4 * n:
+            raise DecodeError(f"{where}.parts.{k}: {len(v)} bytes for {n} rollouts")
+        parts[k] = np.frombuffer(v, dtype=_F32).astype(np.float32)  # NaN = fn gave None
+    return ScoredGroup(
+        group=g,
+        rewards=_per_rollout(m, "rew", n, where, limits),
+        reward_parts=parts,
+        advantages=_per_rollout(m, "adv", n, where, limits),
+        scorer=_get(m, "scorer", str, where),
+        t_scored=_finite(_get(m, "t_scored", (int, float), where), f"{where}.t_scored"),
+    )
+
+
+def _decode_weights(m: dict[str, Any]) -> WeightsPublished:
+    w = "weights"
+    version = _get(m, "version", int, w)
+    if version < 0:
+        raise DecodeError("weights.version: negative")
+    sha = _get(m, "sha256", str, w)
+    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        raise DecodeError("weights.sha256: not a hex sha256")
+    fmt = _get(m, "format", str, w)
+    if fmt not in ("safetensors", "lora", "nccl"):
+        raise DecodeError(f"weights.format: unknown format {fmt!r}")
+    return WeightsPublished(
+        version=version,
+        step=_get(m, "step", int, w),
+        uri=_get(m, "uri", str, w),
+        format=fmt,
+        sha256=sha,
+        nbytes=_get(m, "nbytes", int, w),
+        t=_finite(_get(m, "t", (int, float), w), "weights.t"),
+    )
+
+
+def decode(data: bytes, limits: Limits | None = None, expect: type | None = None) -> Message:
+    """Decode and validate one message; raises `DecodeError` with the reason."""
+    limits = limits or Limits()
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise DecodeError(f"payload is {type(data).__name__}, not bytes")
+    if len(data) > limits.max_message_bytes:
+        raise DecodeError(f"payload of {len(data)} bytes exceeds {limits.max_message_bytes}")
+    try:
+        m = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise DecodeError(f"malformed msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(m, dict):
+        raise DecodeError(f"message is {type(m).__name__}, not a map")
+    schema = m.get("schema")
+    if schema != SCHEMA_VERSION or isinstance(schema, bool):
+        raise DecodeError(f"unknown schema version {schema!r} (expected {SCHEMA_VERSION})")
+    kind = m.get("type")
+    msg: Message
+    if kind == "rollout":
+        msg = _decode_group(m, limits)
+    elif kind == "scored":
+        msg = _decode_scored(m, limits)
+    elif kind == "weights":
+        msg = _decode_weights(m)
+    elif kind == "finished":
+        msg = RunFinished(reason=_get(m, "reason", str, "finished"), t=float(m.get("t", 0.0)))
+    else:
+        raise DecodeError(f"unknown message type {kind!r}")
+    if expect is not None and not isinstance(msg, expect):
+        raise DecodeError(f"expected a {expect.__name__} message, got {type(msg).__name__}")
+    return msg
+
+
+def decode_entry(fields: dict[bytes, bytes], limits: Limits | None = None,
+                 expect: type | None = None) -> Message:
+    """Decode a stream entry's field map (one field, ``m``)."""
+    if FIELD not in fields:
+        raise DecodeError(f"stream entry has no {FIELD!r} field (fields: {sorted(fields)[:5]})")
+    return decode(fields[FIELD], limits, expect)
+
+
+def peek_group_id(fields: dict[bytes, bytes] | None) -> str | None:
+    """The group id of a possibly invalid entry, if one can be read. Only an entry with a
+    group id was an admitted group, which must be retired when it is dead-lettered."""
+    try:
+        m = msgpack.unpackb((fields or {}).get(FIELD, b""), raw=False)
+    except Exception:
+        return None
+    gid = m.get("gid") if isinstance(m, dict) else None
+    return gid if isinstance(gid, str) else None

@@ -1,0 +1,237 @@
+"""The one config type: a run described by one TOML file, read by every role.
+
+Every field has bounds and a docstring; unknown keys are errors, so a typo fails at
+start with the dotted key named instead of being silently ignored. ``--set a.b=c``
+overrides are parsed as TOML values (``--set trainer.lr=3e-4``, ``--set run.name='"x"'``
+or simply ``--set run.name=x``: a value that is not valid TOML is taken as a string).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file, key or value is wrong; the message names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Run namespace: every Redis key is ``sluice:{name}:…``."""
+    output_dir: str = "runs/run"
+    """Checkpoints, weights, metrics, logs and the embedded Redis live here."""
+    seed: int = Field(0, ge=0)
+    """Seeds the prompt order, model init and sampling."""
+    max_time_s: float = Field(0.0, ge=0)
+    """`sluice up` stops the run after this many seconds (0 = no limit)."""
+
+
+class BusConfig(_Section):
+    redis_url: str = ""
+    """redis://, rediss:// or unix:// URL; empty = `sluice up` embeds a Redis on a unix
+    socket in output_dir and every role started by it uses that."""
+    block_ms: int = Field(1000, ge=10, le=60_000)
+    """How long a blocking stream read waits before the loop checks for shutdown."""
+    claim_idle_ms: int = Field(30_000, ge=100)
+    """An entry pending this long on a dead consumer is reclaimed (XAUTOCLAIM)."""
+    max_deliveries: int = Field(5, ge=1, le=100)
+    """An entry delivered more often than this goes to the dead-letter stream."""
+    max_message_bytes: int = Field(16 * 2**20, ge=1024)
+    """Entries larger than this are rejected on decode (dead-lettered)."""
+    heartbeat_s: float = Field(2.0, gt=0, le=60)
+    """Each worker refreshes its heartbeat this often."""
+    reconnect_max_s: float = Field(10.0, gt=0, le=300)
+    """Ceiling of the exponential reconnect backoff."""
+    control_maxlen: int = Field(1000, ge=10)
+    """Approximate length cap of the control stream (announcements only)."""
+
+
+class ModelConfig(_Section):
+    path: str = "runs/models/tiny-char"
+    """Local model directory (HF format). Nothing is downloaded."""
+    init: Literal["", "tiny-char-qwen2"] = "tiny-char-qwen2"
+    """If `path` does not exist yet, `sluice up` builds this model there ('' = never)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class TaskConfig(_Section):
+    name: str = "copy"
+    """Built-in task (copy, reverse, add) or `jsonl` (then `path` is a JSONL file)."""
+    path: str = ""
+    num_prompts: int = Field(20_000, ge=1)
+    """Training prompts of a procedural task (one epoch)."""
+    heldout: int = Field(256, ge=1)
+    """Held-out prompts for the greedy exact-match evaluation."""
+
+
+class GenerationConfig(_Section):
+    engine: Literal["transformers"] = "transformers"
+    num_generations: int = Field(8, ge=2, le=1024)
+    """Completions per prompt (one group)."""
+    max_new_tokens: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(0, ge=0)
+    """0 = off."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """1.0 = off."""
+    batch_groups: int = Field(8, ge=1)
+    """Groups decoded together in one batch by the in-process engine."""
+    threads: int = Field(1, ge=1)
+    """torch threads of a generator process."""
+
+
+class RewardSpec(_Section):
+    fn: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """Import path ``package.module:function``."""
+    weight: float = 1.0
+
+
+class ScoringConfig(_Section):
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(fn="workers.rewards:copy_reward")]
+    )
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """How advantages are scaled (TRL's scale_rewards); `batch` is per scorer read."""
+    reward_timeout_s: float = Field(30.0, gt=0)
+    """Per call of a reward function."""
+    read_count: int = Field(8, ge=1)
+    """Groups a scorer reads per XREADGROUP."""
+
+
+class TrainerConfig(_Section):
+    groups_per_step: int = Field(8, ge=1)
+    max_staleness: int = Field(1, ge=0)
+    """Samples with version_now - min(token version) above this are dropped (retired
+    `stale`). Also sizes the admission window: (max_staleness + 1) * groups_per_step."""
+    admission_window: int = Field(0, ge=0)
+    """Groups in flight allowed by the gate; 0 = (max_staleness + 1) * groups_per_step."""
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(1.0, gt=0)
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "dapo"
+    epsilon: float = Field(0.2, gt=0, lt=1)
+    epsilon_high: float | None = Field(None, gt=0)
+    is_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"
+    ] = "token_truncate"
+    is_clip_min: float = Field(0.0, ge=0)
+    is_clip_max: float = Field(3.0, gt=0)
+    beta: float = Field(0.0, ge=0)
+    weight_sync_steps: int = Field(1, ge=1)
+    """Publish and announce weights every this many optimizer steps."""
+    save_steps: int = Field(50, ge=1)
+    """Checkpoint (weights, optimizer, step, version) every this many steps."""
+    keep_checkpoints: int = Field(2, ge=1)
+    max_steps: int = Field(200, ge=1)
+    threads: int = Field(1, ge=1)
+    """torch threads of the trainer process."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerConfig:
+        if self.is_clip_min > self.is_clip_max:
+            raise ValueError("is_clip_min must be <= is_clip_max")
+        return self
+
+    @property
+    def window(self) -> int:
+        return self.admission_window or (self.max_staleness + 1) * self.groups_per_step
+
+
+class UpConfig(_Section):
+    scorers: int = Field(2, ge=0, le=64)
+    """Scorer processes `sluice up` starts."""
+    generators: int = Field(1, ge=0, le=64)
+    eval_prompts: int = Field(128, ge=1)
+    """Held-out prompts for the before/after greedy exact-match."""
+    plot: bool = True
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    bus: BusConfig = Field(default_factory=BusConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    up: UpConfig = Field(default_factory=UpConfig)
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.run.output_dir).resolve()
+
+    @property
+    def embedded_socket(self) -> Path:
+        return self.output_path / "redis" / "redis.sock"
+
+    @property
+    def redis_url(self) -> str:
+        """The bus URL every role uses: the configured one, else the embedded socket."""
+        return self.bus.redis_url or f"unix://{self.embedded_socket}"
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one ``a.b=c`` override to a raw config dict, in place."""
+    key, sep, raw = assignment.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {assignment!r}: expected section.key=value")
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = _parse_value(raw.strip())
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(root)"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        got = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
+        lines.append(f"  {key}: {msg}{got}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a TOML file (or defaults when ``path`` is None), apply overrides, validate.
+
+    Relative ``run.output_dir`` and ``model.path`` are resolved against the current
+    directory, so every role started from the same place agrees on them.
+    """
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    for assignment in overrides:
+        apply_override(data, assignment)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None

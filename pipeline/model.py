@@ -1,0 +1,174 @@
+"""Model/tokenizer construction and loading shared by workers and the trainer.
+
+Everything here is built locally (no hub downloads): a 76-symbol character tokenizer and a
+tiny random-init Qwen2 causal LM. Workers and the trainer must agree byte-for-byte on
+parameter names and shapes, so both go through this module.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOS, BOS, UNK)  # ids 0..3, fixed by position
+PUNCTUATION: str = " =+-*,.:?!"
+VOCAB_SIZE = 76
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def _symbols() -> list[str]:
+    syms = [*SPECIAL_TOKENS, *string.digits, *string.ascii_lowercase, *string.ascii_uppercase]
+    syms += list(PUNCTUATION)
+    assert len(syms) == VOCAB_SIZE and len(set(syms)) == VOCAB_SIZE
+    return syms
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: one token per character, ids stable across builds.
+
+    No post-processor, so encoding never adds bos/eos: prompt token counts equal character
+    counts, which reward code and tests rely on. Spaces are real tokens (``isolated`` split),
+    and the ``Fuse`` decoder joins tokens without inserting spaces, so decode round-trips.
+    """
+    vocab = {s: i for i, s in enumerate(_symbols())}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        pad_token=PAD,
+        eos_token=EOS,
+        bos_token=BOS,
+        unk_token=UNK,
+        clean_up_tokenization_spaces=False,
+    )
+    return tok
+
+
+def _tiny_config(
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        dtype="float32",
+    )
+
+
+def init_tiny_model(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 512,
+) -> Path:
+    """Write a random-init Qwen2 + char tokenizer to ``out_dir``; same seed -> same weights.
+
+    The directory appears atomically (written to a sibling temp dir, then renamed), so a
+    concurrent reader never sees a half-written checkpoint. An existing non-empty ``out_dir``
+    is refused rather than overwritten, to avoid clobbering a real checkpoint.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"init_tiny_model: refusing to overwrite non-empty path {out}")
+    tok = build_char_tokenizer()
+    cfg = _tiny_config(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+    )
+    # Fork the RNG so seeding here does not perturb the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id,
+        bos_token_id=cfg.bos_token_id,
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            out.rmdir()  # empty (checked above); rename cannot replace a directory otherwise
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_model(
+    path: str | Path, *, dtype: str = "float32", device: str | torch.device = "cpu"
+) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """Load (model in eval mode, tokenizer) from a local directory; never touches the network."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=_DTYPES[dtype], local_files_only=True
+    )
+    model.to(device)
+    model.eval()
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    return model, tok
+
+
+def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a safetensors file into CPU tensors keyed exactly as ``model.state_dict()``."""
+    return load_file(str(path), device="cpu")
+
+
+def model_state_for_publish(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU copies of every state-dict tensor.
+
+    Copies (not views) so that later optimizer steps cannot mutate a published snapshot and
+    so that safetensors serialisation (which rejects shared/non-contiguous storage) works.
+    """
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}

@@ -1,0 +1,120 @@
+"""What every role process shares: logging, the event loop, shutdown, heartbeats.
+
+A role is an ``async def main(cfg, stop)``; `run_role` runs it under uvloop (when
+installed) with SIGINT/SIGTERM setting ``stop`` — the role finishes or releases the work
+it holds and returns, so nothing acknowledged is lost and nothing unacknowledged is
+stranded (its pending entries are read again by the same consumer name, or reclaimed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pipeline.bus import Bus
+from pipeline.config import Config
+from pipeline.schema import Limits
+
+log = logging.getLogger("sluice")
+
+
+def setup_logging(role: str, level: str | None = None) -> None:
+    logging.basicConfig(
+        level=(level or os.environ.get("SLUICE_LOG_LEVEL", "INFO")).upper(),
+        format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def set_threads(n: int) -> None:
+    """Pin torch's intra-op threads: roles share a few cores and oversubscription is the
+    main way a CPU pipeline gets slow."""
+    import torch
+
+    torch.set_num_threads(n)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+
+
+def run_role(main: Callable[[asyncio.Event], Awaitable[Any]], role: str) -> Any:
+    setup_logging(role)
+
+    async def runner() -> Any:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await main(stop)
+
+    try:
+        import uvloop
+
+        return uvloop.run(runner())
+    except ImportError:
+        return asyncio.run(runner())
+
+
+def connect(cfg: Config) -> Bus:
+    return Bus.connect(cfg.redis_url, cfg.run.name, reconnect_max_s=cfg.bus.reconnect_max_s)
+
+
+def model_vocab_size(model_path: str) -> int | None:
+    """The model's vocabulary size from its config.json, without loading weights."""
+    import json
+    from pathlib import Path
+
+    try:
+        return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def limits(cfg: Config) -> Limits:
+    """Decode limits of this run: token ids must be < the model's vocabulary size."""
+    vocab = model_vocab_size(cfg.model.path) or (1 << 31)
+    return Limits(vocab_size=vocab, max_message_bytes=cfg.bus.max_message_bytes)
+
+
+class Heartbeat:
+    """Refreshes ``workers[role/id]`` every ``period_s`` with the role's counters; a
+    failed write marks the role unhealthy but never stops it."""
+
+    def __init__(self, bus: Bus, wid: str, period_s: float, info: Callable[[], dict[str, Any]]):
+        self.bus, self.wid, self.period_s, self.info = bus, wid, period_s, info
+        self.started = time.time()
+        self._task: asyncio.Task[None] | None = None
+
+    async def beat(self) -> None:
+        try:
+            await self.bus.heartbeat(self.wid, {"healthy": self.bus.healthy,
+                                                "started": self.started, **self.info()})
+        except Exception as e:
+            self.bus.healthy = False
+            log.debug("heartbeat failed: %s", e)
+
+    async def _loop(self) -> None:
+        while True:
+            await self.beat()
+            await asyncio.sleep(self.period_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self, forget: bool = False) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):
+            if forget:
+                await self.bus.forget_worker(self.wid)
+            else:
+                await self.bus.heartbeat(self.wid, {"healthy": False, "exited": True,
+                                                    **self.info()})

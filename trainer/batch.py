@@ -1,0 +1,72 @@
+"""Turn scored groups into padded training tensors.
+
+Row ``i`` is ``prompt_ids + completion_ids`` of one rollout, right-padded. Targets are
+aligned so that ``logits[:, t]`` predicts ``input_ids[:, t + 1]``; the completion span of
+each row is cut out into ``[B, T]`` tensors (T = longest completion) holding the sampled
+ids, the behaviour logprobs and the loss mask (``rollout.mask`` and not padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.schema import ScoredGroup
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # int64 [B, L]
+    attention_mask: torch.Tensor  # int64 [B, L]
+    completion_start: torch.Tensor  # int64 [B], index of the first completion token
+    completion_ids: torch.Tensor  # int64 [B, T]
+    behaviour_logps: torch.Tensor  # float32 [B, T]
+    mask: torch.Tensor  # float32 [B, T]
+    advantages: torch.Tensor  # float32 [B]
+    versions: torch.Tensor  # int64 [B, T]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask.sum().item())
+
+
+def build_batch(groups: list[ScoredGroup], pad_id: int) -> Batch:
+    rows = [(sg.group.prompt_ids, r, float(sg.advantages[i]))
+            for sg in groups for i, r in enumerate(sg.group.rollouts)]
+    if not rows:
+        raise ValueError("empty batch")
+    seq_len = max(len(p) + len(r.completion_ids) for p, r, _ in rows)
+    comp_len = max(max(len(r.completion_ids) for _, r, _ in rows), 1)
+    b = len(rows)
+    input_ids = np.full((b, seq_len), pad_id, dtype=np.int64)
+    attn = np.zeros((b, seq_len), dtype=np.int64)
+    start = np.zeros(b, dtype=np.int64)
+    comp = np.full((b, comp_len), pad_id, dtype=np.int64)
+    blp = np.zeros((b, comp_len), dtype=np.float32)
+    mask = np.zeros((b, comp_len), dtype=np.float32)
+    ver = np.zeros((b, comp_len), dtype=np.int64)
+    adv = np.zeros(b, dtype=np.float32)
+    for i, (p, r, a) in enumerate(rows):
+        n_p, n_c = len(p), len(r.completion_ids)
+        input_ids[i, :n_p] = p
+        input_ids[i, n_p:n_p + n_c] = r.completion_ids
+        attn[i, :n_p + n_c] = 1
+        start[i] = n_p
+        comp[i, :n_c] = r.completion_ids
+        blp[i, :n_c] = r.logprobs
+        mask[i, :n_c] = r.mask
+        ver[i, :n_c] = r.versions
+        adv[i] = a
+    return Batch(*(torch.from_numpy(x) for x in (input_ids, attn, start, comp, blp, mask)),
+                 advantages=torch.from_numpy(adv), versions=torch.from_numpy(ver))
+
+
+def completion_logits(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``[B, T, V]`` logits that predicted each completion token (gathered per row)."""
+    _, t = batch.completion_ids.shape
+    offsets = torch.arange(t).unsqueeze(0) + batch.completion_start.unsqueeze(1) - 1
+    offsets = offsets.clamp(max=logits.shape[1] - 1)
+    idx = offsets.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    return torch.gather(logits, 1, idx)

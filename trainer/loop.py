@@ -1,0 +1,267 @@
+"""Trainer role: consume ``scored``, drop stale samples, take GRPO steps, publish weights.
+
+One consumer per rank in group ``trainers``, with a stable name (``trainer-<rank>``) so a
+restarted trainer reads its own pending entries first and drains them.
+
+Per step:
+1. read until ``groups_per_step`` usable groups are buffered. A group whose oldest token
+   is more than ``max_staleness`` versions behind the published version is retired
+   ``stale``; a ``group_id`` already trained is acked without retiring (a duplicate);
+2. assert that no stale sample slipped through (checked twice, on read and here);
+3. forward, GRPO loss (`trainer.loss`), backward, clip, AdamW step;
+4. every ``weight_sync_steps`` publish weights and announce them — BEFORE retiring, so
+   the gate reopens only once the new version is visible to generators;
+5. ack + retire the step's groups as ``trained`` (one script: at most once);
+6. metrics line to ``metrics.jsonl``; checkpoint every ``save_steps``.
+A crash between 3 and 5 redelivers the groups to the restarted trainer, which resumes
+from its last checkpoint (older than those groups' step), so they are trained once in
+the surviving history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline import control
+from pipeline.bus import Bus, Entry, worker_id
+from pipeline.codec import DecodeError, decode_entry, peek_group_id
+from pipeline.config import Config
+from pipeline.keys import TRAINERS_GROUP
+from pipeline.model import load_model
+from pipeline.runtime import Heartbeat, connect, limits, set_threads
+from pipeline.schema import ScoredGroup
+from pipeline.weights import FileWeightStore
+from trainer.batch import Batch, build_batch, completion_logits
+from trainer.checkpoint import Checkpointer, TrainerState
+from trainer.loss import LossConfig, entropy_from_logits, grpo_loss, selective_log_softmax
+
+log = logging.getLogger("sluice.trainer")
+
+TRAINED_IDS_KEPT = 100_000
+
+
+class StaleSampleError(AssertionError):
+    """A sample beyond max_staleness reached an optimizer step (a bug, never data)."""
+
+
+class Trainer:
+    def __init__(self, cfg: Config, rank: int = 0):
+        self.cfg = cfg
+        self.tc = cfg.trainer
+        self.consumer = f"trainer-{rank}"
+        self.wid = worker_id("trainer", self.consumer)
+        self.model, self.tokenizer = load_model(cfg.model.path, dtype=cfg.model.dtype)
+        self.model.train()
+        self.pad_id = int(self.tokenizer.pad_token_id or 0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.tc.lr,
+                                           betas=self.tc.adam_betas,
+                                           weight_decay=self.tc.weight_decay)
+        self.loss_cfg = LossConfig(
+            loss_type=self.tc.loss_type, epsilon=self.tc.epsilon,
+            epsilon_high=self.tc.epsilon_high, is_mode=self.tc.is_mode,
+            is_clip_min=self.tc.is_clip_min, is_clip_max=self.tc.is_clip_max,
+            beta=self.tc.beta, max_completion_length=cfg.generation.max_new_tokens)
+        out = cfg.output_path
+        self.store = FileWeightStore(out / "weights", keep=self.tc.max_staleness + 2)
+        self.ckpt = Checkpointer(out / "checkpoints", keep=self.tc.keep_checkpoints)
+        self.metrics_path = out / "metrics.jsonl"
+        self.limits = limits(cfg)
+        self.state = TrainerState()
+        self.trained: OrderedDict[str, None] = OrderedDict()
+        self.counts = {"stale": 0, "duplicates": 0, "dead": 0, "trained_groups": 0}
+        self.last: dict[str, Any] = {}
+        self.t_start = time.time()
+        self.ref_model: torch.nn.Module | None = None
+        if self.tc.beta > 0:  # frozen reference: loaded once, never synced
+            self.ref_model, _ = load_model(cfg.model.path, dtype=cfg.model.dtype)
+            self.ref_model.requires_grad_(False)
+
+    # ------------------------------------------------------------------ info
+
+    def info(self) -> dict[str, Any]:
+        return {"step": self.state.step, "version": self.state.version,
+                "max_steps": self.tc.max_steps, **self.counts, "last": self.last}
+
+    # ------------------------------------------------------------------ reading
+
+    def is_stale(self, sg: ScoredGroup) -> bool:
+        return self.state.version - sg.group.min_version > self.tc.max_staleness
+
+    async def collect(self, bus: Bus, stop: asyncio.Event) -> list[tuple[str, ScoredGroup]]:
+        """Buffer ``groups_per_step`` fresh, new groups (fewer only if stopping)."""
+        buf: list[tuple[str, ScoredGroup]] = []
+        seen: set[str] = set()
+        while len(buf) < self.tc.groups_per_step and not stop.is_set():
+            entries = await bus.retrying(lambda: bus.read_group(
+                bus.keys.scored, TRAINERS_GROUP, self.consumer,
+                count=self.tc.groups_per_step - len(buf), block_ms=self.cfg.bus.block_ms),
+                "read scored", stop)
+            for e in entries:
+                sg = await self.accept(bus, e, seen)
+                if sg is not None:
+                    buf.append((e.id, sg))
+                    seen.add(sg.group.group_id)
+        return buf
+
+    async def accept(self, bus: Bus, e: Entry, seen: set[str]) -> ScoredGroup | None:
+        if e.fields is None:
+            await bus.ack(bus.keys.scored, TRAINERS_GROUP, e.id)
+            return None
+        try:
+            sg = decode_entry(e.fields, self.limits, expect=ScoredGroup)
+            assert isinstance(sg, ScoredGroup)
+        except DecodeError as err:
+            log.warning("dead-lettering %s: %s", e.id, err)
+            if await bus.dead_letter(bus.keys.scored, TRAINERS_GROUP, e, reason=f"decode: {err}",
+                                     role=self.wid, retire=peek_group_id(e.fields) is not None):
+                self.counts["dead"] += 1
+            return None
+        gid = sg.group.group_id
+        if gid in self.trained or gid in seen:
+            self.counts["duplicates"] += 1
+            await bus.ack(bus.keys.scored, TRAINERS_GROUP, e.id)
+            return None
+        if self.is_stale(sg):
+            self.counts["stale"] += await bus.retire(bus.keys.scored, TRAINERS_GROUP,
+                                                     [e.id], "stale")
+            return None
+        return sg
+
+    # ------------------------------------------------------------------ training
+
+    def logps_of(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        comp = completion_logits(logits.float(), batch)
+        logps = selective_log_softmax(comp, batch.completion_ids,
+                                      self.cfg.generation.temperature)
+        return logps, comp
+
+    def train_step(self, groups: list[ScoredGroup]) -> dict[str, float]:
+        stale = [g.group.group_id for g in groups if self.is_stale(g)]
+        if stale:
+            raise StaleSampleError(f"admitted stale training data: {stale[:5]}")
+        batch = build_batch(groups, self.pad_id)
+        logps, comp_logits = self.logps_of(self.model, batch)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref, _ = self.logps_of(self.ref_model, batch)
+        loss, metrics = grpo_loss(logps, None, batch.behaviour_logps, batch.advantages,
+                                  batch.mask, self.loss_cfg, ref_logps=ref)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.max_grad_norm)
+        self.optimizer.step()
+        with torch.no_grad():
+            ent = entropy_from_logits(comp_logits.detach())
+            m = batch.mask
+            entropy = float((ent * m).sum() / m.sum().clamp(min=1))
+            age = (self.state.version - batch.versions).float()
+        return {"loss": float(loss.item()), "grad_norm": float(grad_norm), "entropy": entropy,
+                "tokens": batch.num_tokens,
+                "staleness_mean": float((age * m).sum() / m.sum().clamp(min=1)),
+                "staleness_max": float(age[m > 0].max()) if m.sum() > 0 else 0.0,
+                **metrics}
+
+    async def publish(self, bus: Bus) -> None:
+        msg = self.store.publish(self.model.state_dict(), version=self.state.version,
+                                 step=self.state.step)
+        await bus.retrying(lambda: control.announce(bus, msg, maxlen=self.cfg.bus.control_maxlen),
+                           "announce")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def resume(self, bus: Bus) -> None:
+        """Continue from the newest checkpoint; never move ``version`` backwards."""
+        st = self.ckpt.load_latest(self.model, self.optimizer)
+        redis_version = (await bus.state()).get("version", -1)
+        if st is not None:
+            self.state = st
+            self.trained = OrderedDict.fromkeys(st.trained_ids)
+            log.info("resumed from step %d (version %d)", st.step, st.version)
+        if redis_version >= self.state.version and (st is not None or redis_version > 0):
+            # the bus has seen this version (or newer): announce ours as the next one
+            self.state.version = redis_version + 1
+        await self.publish(bus)
+
+    def log_metrics(self, row: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def checkpoint(self) -> None:
+        self.state.trained_ids = list(self.trained)[-TRAINED_IDS_KEPT:]
+        self.ckpt.save(self.model, self.optimizer, self.state)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        bus = connect(self.cfg)
+        await bus.retrying(lambda: bus.ensure_group(bus.keys.scored, TRAINERS_GROUP), "group")
+        Path(self.cfg.output_path).mkdir(parents=True, exist_ok=True)
+        await self.resume(bus)
+        hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info)
+        hb.start()
+        finished_reason = "stopped"
+        try:
+            while self.state.step < self.tc.max_steps and not stop.is_set():
+                t0 = time.time()
+                buf = await self.collect(bus, stop)
+                if len(buf) < self.tc.groups_per_step:
+                    break  # stopping: leave the partial buffer pending for a restart
+                t1 = time.time()
+                groups = [sg for _, sg in buf]
+                metrics = self.train_step(groups)
+                self.state.step += 1
+                if self.state.step % self.tc.weight_sync_steps == 0:
+                    self.state.version += 1
+                    await self.publish(bus)
+                retired = await bus.retrying(lambda b=buf: bus.retire(
+                    bus.keys.scored, TRAINERS_GROUP, [i for i, _ in b], "trained"), "retire")
+                for sg in groups:
+                    self.trained[sg.group.group_id] = None
+                while len(self.trained) > TRAINED_IDS_KEPT:
+                    self.trained.popitem(last=False)
+                self.counts["trained_groups"] += retired
+                self.record(groups, metrics, t0, t1)
+                if self.state.step % self.tc.save_steps == 0:
+                    self.checkpoint()
+            else:
+                finished_reason = "max_steps" if self.state.step >= self.tc.max_steps else "stop"
+            self.checkpoint()
+            if finished_reason == "max_steps":
+                await control.finish(bus, "max_steps")
+        finally:
+            await hb.stop()
+            await bus.close()
+            log.info("trainer stopped at step %d (%s)", self.state.step, finished_reason)
+
+    def record(self, groups: list[ScoredGroup], metrics: dict[str, float], t0: float,
+               t1: float) -> None:
+        now = time.time()
+        rewards = np.concatenate([g.rewards for g in groups])
+        n = len(rewards)
+        row: dict[str, Any] = {
+            "step": self.state.step, "version": self.state.version, "t": now - self.t_start,
+            "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "samples": n, "groups": len(groups),
+            "rollout_wait_s": t1 - t0, "step_time_s": now - t1,
+            "samples_per_s": n / max(now - t0, 1e-9),
+            "tokens_per_s": metrics["tokens"] / max(now - t0, 1e-9),
+            "dropped_stale": self.counts["stale"], "duplicates": self.counts["duplicates"],
+            **{f"reward/{k}": float(np.nanmean(np.concatenate(
+                [g.reward_parts[k] for g in groups]))) for k in groups[0].reward_parts},
+            **metrics}
+        self.last = {k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}
+        self.log_metrics(row)
+
+
+async def main(cfg: Config, stop: asyncio.Event, rank: int = 0) -> None:
+    set_threads(cfg.trainer.threads)
+    await Trainer(cfg, rank).run(stop)

@@ -1,0 +1,281 @@
+"""GRPO-family policy loss as pure functions (tensors in, loss + metrics out).
+
+This is TRL ``GRPOTrainer._compute_loss`` with ``importance_sampling_level="token"``:
+
+* ``coef_1 = exp(logps - old)``, ``coef_2 = clamp(coef_1, 1 - eps_low, 1 + eps_high)``
+  (DAPO's asymmetric clip when ``epsilon_high`` is set), and
+  ``per_token = -min(coef_1 * A, coef_2 * A)``.
+* That is multiplied by a truncated/masked importance weight between the policy that
+  produced ``old`` and the behaviour policy that sampled the tokens (TRL's
+  ``vllm_importance_sampling_correction``; here the sampler is any stale generator), then
+  ``beta * k3`` KL to a reference (``exp(ref - logps) - (ref - logps) - 1``) is added,
+  not importance weighted, as in TRL.
+* Normalisation by ``loss_type``: ``grpo`` = mean over rows of (row masked sum / row
+  tokens); ``bnpo`` = masked sum / batch tokens; ``dr_grpo`` = masked sum /
+  (B * max_completion_length); ``dapo`` (default) = masked sum / ``num_items_in_batch``
+  (default: this batch's masked tokens). Token counts are clamped to at least 1.
+
+Where it differs from TRL:
+
+* Nothing is divided by gradient-accumulation steps or process count: the caller passes
+  the global normaliser as ``num_items_in_batch`` (dapo) or scales the loss itself.
+* The importance weights are computed here from ``old`` vs ``behaviour`` on every call
+  instead of once at generation time (same values). ``old_logps=None`` means
+  ``logps.detach()`` (TRL with ``num_iterations=1``), so ``coef_1 == 1`` with gradient 1.
+* ``is_clip_min`` also applies to the mask modes (TRL has only a cap); truncate modes
+  only cap at ``is_clip_max``. Importance weights are 0 where ``mask`` is 0.
+* No GSPO sequence-level ratio, no ``delta`` two-sided clip, no entropy masking, no
+  Liger kernel. Inputs at masked positions are replaced by 0 before any maths, so
+  padding garbage (even inf/NaN) cannot leak into the loss or the gradient.
+
+Gradient flows only through ``logps``; ``old``, ``behaviour``, ``ref`` and advantages
+are detached. Maths runs in at least float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo"]
+IsMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"]
+
+__all__ = [
+    "IsMode",
+    "LossConfig",
+    "LossType",
+    "entropy_from_logits",
+    "grpo_loss",
+    "importance_weights",
+    "selective_log_softmax",
+]
+
+_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
+
+
+@dataclass
+class LossConfig:
+    """Loss hyper-parameters; validated on construction."""
+
+    loss_type: LossType = "dapo"
+    epsilon: float = 0.2
+    """Lower clip: ratios below ``1 - epsilon`` are clipped (for A < 0)."""
+    epsilon_high: float | None = None
+    """Upper clip: ratios above ``1 + epsilon_high`` are clipped (for A > 0); None = epsilon."""
+    is_mode: IsMode = "token_truncate"
+    is_clip_min: float = 0.0
+    """Mask modes zero weights below this; truncate modes ignore it."""
+    is_clip_max: float = 3.0
+    beta: float = 0.0
+    """k3 KL coefficient; > 0 requires ``ref_logps``."""
+    max_completion_length: int | None = None
+    """Required by ``dr_grpo`` (its constant normaliser)."""
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in _LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {_LOSS_TYPES}, got {self.loss_type!r}")
+        if self.is_mode not in _IS_MODES:
+            raise ValueError(f"is_mode must be one of {_IS_MODES}, got {self.is_mode!r}")
+        if not 0.0 <= self.epsilon < 1.0:
+            raise ValueError(f"epsilon must be in [0, 1), got {self.epsilon}")
+        if self.epsilon_high is not None and self.epsilon_high < 0:
+            raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
+        if not 0.0 <= self.is_clip_min <= self.is_clip_max:
+            raise ValueError("need 0 <= is_clip_min <= is_clip_max")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.loss_type == "dr_grpo" and not self.max_completion_length:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length >= 1")
+
+    @property
+    def eps_low(self) -> float:
+        return self.epsilon
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _bool_mask(mask: Tensor, shape: torch.Size) -> Tensor:
+    if mask.shape != shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} != logps shape {tuple(shape)}")
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def importance_weights(
+    old_logps: Tensor,
+    behaviour_logps: Tensor,
+    mask: Tensor,
+    mode: IsMode = "token_truncate",
+    clip_min: float = 0.0,
+    clip_max: float = 3.0,
+) -> Tensor:
+    """Behaviour-policy correction weights ``[B, T]``, without gradient.
+
+    Token modes use ``exp(old - behaviour)`` per token; sequence modes use
+    ``exp(sum over masked tokens of (old - behaviour))`` per row, broadcast to the row.
+    ``*_truncate`` caps at ``clip_max``; ``*_mask`` keeps values in
+    ``[clip_min, clip_max]`` (inclusive) and zeroes the rest; ``none`` is 1.
+    Invariant: 0 wherever ``mask`` is 0.
+    """
+    if mode not in _IS_MODES:
+        raise ValueError(f"mode must be one of {_IS_MODES}, got {mode!r}")
+    if old_logps.shape != behaviour_logps.shape:
+        raise ValueError("old_logps and behaviour_logps must have the same shape")
+    m = _bool_mask(mask, old_logps.shape)
+    dt = _compute_dtype(old_logps)
+    with torch.no_grad():
+        diff = torch.where(m, old_logps.detach().to(dt) - behaviour_logps.detach().to(dt), 0.0)
+        if mode == "none":
+            w = torch.ones_like(diff)
+        else:
+            if mode.startswith("sequence"):
+                ratio = torch.exp(diff.sum(dim=-1, keepdim=True)).expand_as(diff)
+            else:
+                ratio = torch.exp(diff)
+            if mode.endswith("truncate"):
+                w = ratio.clamp(max=clip_max)
+            else:
+                keep = (ratio >= clip_min) & (ratio <= clip_max)
+                w = torch.where(keep, ratio, 0.0)
+        return torch.where(m, w, 0.0)
+
+
+def grpo_loss(
+    logps: Tensor,
+    old_logps: Tensor | None,
+    behaviour_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    ref_logps: Tensor | None = None,
+    num_items_in_batch: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Scalar loss (differentiable in ``logps`` only) and float metrics.
+
+    Shapes: ``logps``/``old_logps``/``behaviour_logps``/``ref_logps``/``mask`` ``[B, T]``,
+    ``advantages`` ``[B]``. ``mask`` is bool or 0/1; 0 = not trained (padding, inserted
+    context). Metrics: ``clip_ratio/{low,high,region}_mean``, ``is_ratio/{min,mean,max}``
+    (raw token ratios ``exp(old - behaviour)``; NaN when no token is masked in),
+    ``logprob_diff/mean_abs`` and ``kl`` (0.0 when beta is 0), all over masked tokens.
+    """
+    if logps.dim() != 2:
+        raise ValueError(f"logps must be [B, T], got shape {tuple(logps.shape)}")
+    shape = logps.shape
+    for name, t in (
+        ("old_logps", old_logps),
+        ("behaviour_logps", behaviour_logps),
+        ("ref_logps", ref_logps),
+    ):
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logps shape {tuple(shape)}")
+    if advantages.shape != shape[:1]:
+        raise ValueError(f"advantages must be [B]={shape[0]}, got {tuple(advantages.shape)}")
+    if cfg.beta > 0 and ref_logps is None:
+        raise ValueError("beta > 0 needs ref_logps")
+    if num_items_in_batch is not None and num_items_in_batch <= 0:
+        raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch}")
+
+    dt = _compute_dtype(logps)
+    m = _bool_mask(mask, shape)
+    mf = m.to(dt)
+    # Zero masked positions first: padding values never reach exp() or the gradient.
+    lp = torch.where(m, logps.to(dt), 0.0)
+    old = lp.detach() if old_logps is None else torch.where(m, old_logps.detach().to(dt), 0.0)
+    beh = torch.where(m, behaviour_logps.detach().to(dt), 0.0)
+    adv = advantages.detach().to(dt).unsqueeze(1)
+
+    coef_1 = torch.exp(lp - old)
+    coef_2 = torch.clamp(coef_1, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    per_token = -torch.minimum(coef_1 * adv, coef_2 * adv)
+    per_token = per_token * importance_weights(
+        old, beh, m, cfg.is_mode, cfg.is_clip_min, cfg.is_clip_max
+    )
+    per_token_kl = None
+    if cfg.beta > 0:
+        assert ref_logps is not None
+        ref = torch.where(m, ref_logps.detach().to(dt), 0.0)
+        delta = ref - lp
+        per_token_kl = torch.exp(delta) - delta - 1.0
+        per_token = per_token + cfg.beta * per_token_kl
+
+    masked = per_token * mf
+    n_tokens = mf.sum().clamp(min=1.0)
+    if cfg.loss_type == "grpo":
+        loss = (masked.sum(dim=-1) / mf.sum(dim=-1).clamp(min=1.0)).mean()
+    elif cfg.loss_type == "bnpo":
+        loss = masked.sum() / n_tokens
+    elif cfg.loss_type == "dr_grpo":
+        assert cfg.max_completion_length is not None
+        loss = masked.sum() / (shape[0] * cfg.max_completion_length)
+    else:  # dapo
+        loss = masked.sum() / (n_tokens if num_items_in_batch is None else num_items_in_batch)
+
+    with torch.no_grad():
+
+        def mmean(x: Tensor) -> float:
+            return float((x.to(dt) * mf).sum() / n_tokens)
+
+        low = (coef_1 < 1.0 - cfg.eps_low) & (adv < 0)
+        high = (coef_1 > 1.0 + cfg.eps_high) & (adv > 0)
+        raw = torch.exp(old - beh)[m]
+        empty = raw.numel() == 0
+        metrics = {
+            "clip_ratio/low_mean": mmean(low),
+            "clip_ratio/high_mean": mmean(high),
+            "clip_ratio/region_mean": mmean(low | high),
+            "is_ratio/min": math.nan if empty else float(raw.min()),
+            "is_ratio/mean": math.nan if empty else float(raw.mean()),
+            "is_ratio/max": math.nan if empty else float(raw.max()),
+            "logprob_diff/mean_abs": mmean((old - beh).abs()),
+            "kl": 0.0 if per_token_kl is None else mmean(per_token_kl),
+        }
+    return loss, metrics
+
+
+def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
+    """Entropy (nats) of ``softmax(logits)`` over the last dim -> ``logits.shape[:-1]``.
+
+    Computed in row chunks to bound memory, as TRL does. Pass temperature-scaled logits
+    to get the entropy of the sampling distribution.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    parts = []
+    for chunk in flat.split(chunk_size, dim=0):
+        logp = F.log_softmax(chunk, dim=-1)
+        parts.append(-(logp.exp() * logp).sum(dim=-1))
+    if not parts:
+        return logits.new_zeros(logits.shape[:-1])
+    return torch.cat(parts).reshape(logits.shape[:-1])
+
+
+def selective_log_softmax(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """``log_softmax(logits / temperature)[..., ids]`` -> ``[B, T]`` without a [B,T,V] copy.
+
+    ``logits`` is ``[B, T, V]``, ``ids`` ``[B, T]``. float32/64 use gather - logsumexp
+    row by row; lower precision uses a per-row log_softmax (logsumexp is unstable there).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if temperature != 1.0:
+        logits = logits / temperature
+    ids = ids.long()
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = torch.gather(logits, dim=-1, index=ids.unsqueeze(-1)).squeeze(-1)
+        lse = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+        return picked - lse
+    rows = []
+    for row_logits, row_ids in zip(logits, ids, strict=True):
+        row_logps = F.log_softmax(row_logits, dim=-1)
+        rows.append(row_logps.gather(dim=-1, index=row_ids.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(rows)

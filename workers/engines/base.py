@@ -1,0 +1,87 @@
+"""The engine contract every rollout backend implements.
+
+GRPO's importance ratio needs, for every sampled token, the exact behaviour logprob and the
+weight version that produced it. Engines therefore report both per token, and weight swaps
+may land mid-generation (between decode steps), so one completion can span versions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into a token.
+
+    Processing order is temperature -> top-k -> top-p, then renormalise; the recorded
+    logprob is under that processed distribution. ``top_k=0`` and ``top_p=1.0`` disable the
+    filters. ``greedy`` ignores all of them and takes the argmax.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 unless greedy, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Completion:
+    """One sampled continuation; the three arrays are aligned and have equal length T.
+
+    token_ids: int32 [T]; ends with the eos id iff ``finish_reason == "stop"``.
+    logprobs: float32 [T]; behaviour logprob of each token under the processed distribution
+        it was drawn from (greedy: plain ``log_softmax(logits)``).
+    versions: int32 [T]; weight version whose forward produced each token's logits;
+        non-decreasing along the sequence.
+    finish_reason: "stop" (eos sampled) or "length" (hit max_new_tokens).
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A rollout backend holding one policy whose weights can be swapped while it decodes."""
+
+    version: int
+
+    async def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        """Return ``n`` completions per prompt (outer list aligned with ``prompts``).
+
+        All ``len(prompts) * n`` rows decode together in one batch, so a weight swap hits
+        every row at the same step.
+        """
+        ...
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Queue new weights, applied at the next decode-step boundary (now, if idle).
+
+        A ``version`` not newer than the current (or already queued) one is ignored, so
+        duplicate or out-of-order publications are harmless. The engine may hold on to the
+        tensors until applied: callers must not mutate them afterwards.
+        """
+        ...

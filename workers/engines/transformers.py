@@ -1,0 +1,243 @@
+"""Plain-PyTorch/transformers rollout engine with its own batched KV-cache decode loop.
+
+We do not use ``model.generate`` because we need (a) the exact per-token behaviour logprob
+under the processed sampling distribution, (b) per-token weight versions and (c) the ability
+to swap weights between decode steps while keeping the KV cache (vLLM-style pause-keep).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedTokenizerBase
+
+from workers.engines.base import Completion, SamplingParams
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logprobs ``[..., V]`` (float32) of the distribution tokens are actually drawn from.
+
+    Filtered-out tokens get ``-inf``; the rest are renormalised, so ``exp`` sums to 1.
+    Greedy uses the raw ``log_softmax(logits)`` (temperature 1): the argmax is the same and
+    this is the natural "behaviour" logprob to report for a deterministic policy.
+    """
+    x = logits.float()
+    if params.greedy:
+        return torch.log_softmax(x, dim=-1)
+    if params.temperature != 1.0:
+        x = x / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th value are kept
+    if params.top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        # Keep the smallest prefix whose mass reaches top_p; the top token always survives.
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def sample_tokens(
+    logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Draw one token per row ``[B]`` from processed ``logprobs [B, V]`` (argmax if greedy)."""
+    if params.greedy:
+        return torch.argmax(logprobs, dim=-1)
+    return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+
+
+class TransformersEngine:
+    """`Engine` over a HF causal LM. Single event-loop thread only; no internal locking.
+
+    Invariants: the version recorded for a token is the version of the weights whose
+    forward produced its logits (swaps happen only between steps, after recording); the
+    KV cache survives swaps, so post-swap tokens attend to keys/values computed under the
+    old weights, exactly as in a pause-keep inference server.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer_or_eos_id: PreTrainedTokenizerBase | int,
+        *,
+        seed: int = 0,
+        version: int = 0,
+    ) -> None:
+        self.model = model
+        if isinstance(tokenizer_or_eos_id, int):
+            self.eos_id = tokenizer_or_eos_id
+            pad = getattr(model.config, "pad_token_id", None)
+        else:
+            if tokenizer_or_eos_id.eos_token_id is None:
+                raise ValueError("tokenizer has no eos_token_id")
+            self.eos_id = int(tokenizer_or_eos_id.eos_token_id)
+            pad = tokenizer_or_eos_id.pad_token_id
+        # Pad ids are only fed at masked prompt positions or to finished rows; any valid id works.
+        self.pad_id = int(pad) if pad is not None else self.eos_id
+        self.version = version
+        self.device = next(model.parameters()).device
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed)
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._active = 0  # generate() calls in flight; swaps apply immediately only at 0
+
+    # ----------------------------------------------------------------- weights
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Queue (or, when idle, apply) a swap; stale versions are dropped silently."""
+        newest = self._pending[1] if self._pending is not None else self.version
+        if version <= newest:
+            return
+        self._pending = (state_dict, version)
+        if self._active == 0:
+            pass
+
+    def _apply_pending(self) -> None:
+        if self._pending is None:
+            return
+        sd, version = self._pending
+        self._pending = None
+        with torch.no_grad():
+            self.model.load_state_dict(sd, strict=True)
+        self.version = version
+
+    # ----------------------------------------------------------------- decoding
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DynamicCache,
+    ) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+    async def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        """Decode ``n`` continuations of each prompt in one left-padded batch.
+
+        Positions count real tokens only, so a left-padded row sees exactly the positions
+        (and hence RoPE phases) it would see unpadded.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: need at least one token to condition on")
+        if not prompts:
+            return []
+        rows = [list(p) for p in prompts for _ in range(n)]
+        if params.max_new_tokens == 0:
+            return self._pack(prompts, n, [], [], [], [], torch.zeros(len(rows), dtype=torch.bool))
+        self._active += 1
+        try:
+            return await self._decode(prompts, n, rows, params)
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._apply_pending()
+
+    async def _decode(
+        self, prompts: list[list[int]], n: int, rows: list[list[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        dev = self.device
+        bsz = len(rows)
+        lens = torch.tensor([len(r) for r in rows], device=dev)
+        width = int(lens.max())
+        input_ids = torch.full((bsz, width), self.pad_id, dtype=torch.long, device=dev)
+        attn = torch.zeros((bsz, width), dtype=torch.long, device=dev)
+        for i, r in enumerate(rows):
+            input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long, device=dev)
+            attn[i, width - len(r) :] = 1
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            logits = self._forward(input_ids, attn, positions, cache)
+
+        finished = torch.zeros(bsz, dtype=torch.bool, device=dev)
+        step_tokens: list[torch.Tensor] = []
+        step_logprobs: list[torch.Tensor] = []
+        step_versions: list[int] = []
+        alive_before: list[torch.Tensor] = []
+        next_pos = lens.clone()
+        for step in range(params.max_new_tokens):
+            with torch.inference_mode():
+                lp = process_logits(logits, params)
+                tok = sample_tokens(lp, params, self._generator)
+                tok_lp = lp.gather(-1, tok[:, None]).squeeze(-1)
+                tok = tok.masked_fill(finished, self.pad_id)
+            alive_before.append(~finished)
+            step_tokens.append(tok)
+            step_logprobs.append(tok_lp)
+            step_versions.append(self.version)
+            finished = finished | (tok == self.eos_id)
+            if bool(finished.all()) or step == params.max_new_tokens - 1:
+                break
+            # Yield so a watcher coroutine can queue weights; apply them at this boundary.
+            await asyncio.sleep(0)
+            self._apply_pending()
+            with torch.inference_mode():
+                attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=dev)], 1)
+                logits = self._forward(tok[:, None], attn, next_pos[:, None], cache)
+            next_pos = next_pos + 1
+        return self._pack(
+            prompts, n, step_tokens, step_logprobs, step_versions, alive_before, finished
+        )
+
+    def _pack(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        step_tokens: list[torch.Tensor],
+        step_logprobs: list[torch.Tensor],
+        step_versions: list[int],
+        alive_before: list[torch.Tensor],
+        finished: torch.Tensor,
+    ) -> list[list[Completion]]:
+        """Trim each row at its eos: a row's length is the number of steps it was alive."""
+        bsz = len(prompts) * n
+        if step_tokens:
+            toks = torch.stack(step_tokens, 1).cpu().numpy().astype(np.int32)
+            lps = torch.stack(step_logprobs, 1).float().cpu().numpy().astype(np.float32)
+            alive = torch.stack(alive_before, 1).cpu().numpy()
+            lengths = alive.sum(1)
+        else:
+            toks = np.zeros((bsz, 0), np.int32)
+            lps = np.zeros((bsz, 0), np.float32)
+            lengths = np.zeros(bsz, np.int64)
+        vers = np.asarray(step_versions, dtype=np.int32)
+        fin = finished.cpu().numpy()
+        out: list[list[Completion]] = []
+        for p in range(len(prompts)):
+            group: list[Completion] = []
+            for j in range(n):
+                i = p * n + j
+                t = int(lengths[i])
+                group.append(
+                    Completion(
+                        token_ids=toks[i, :t].copy(),
+                        logprobs=lps[i, :t].copy(),
+                        versions=vers[:t].copy(),
+                        finish_reason="stop" if bool(fin[i]) else "length",
+                    )
+                )
+            out.append(group)
+        return out
+
+    async def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[Completion]:
+        """One argmax continuation per prompt (evaluation / reference decoding)."""
+        res = await self.generate(prompts, 1, SamplingParams(max_new_tokens, greedy=True))
+        return [g[0] for g in res]
