@@ -131,6 +131,7 @@ class Bus:
         self.reconnect_max_s = reconnect_max_s
         self.healthy = True
         self.reconnects = 0
+        self._backlog: dict[tuple[str, str, str], str | None] = {}
         self._retire = client.register_script(_RETIRE)
         self._handoff = client.register_script(_HANDOFF)
         self._dead = client.register_script(_DEAD_LETTER)
@@ -197,14 +198,25 @@ class Bus:
 
     async def read_group(self, stream: str, group: str, consumer: str, *, count: int,
                          block_ms: int) -> list[Entry]:
-        """Own pending entries first, then new ones (blocking up to ``block_ms``)."""
-        resp = await self.r.xreadgroup(group, consumer, {stream: "0"}, count=count)
-        entries = _entries(resp)
-        if entries:
-            counts = await self.delivery_counts(stream, group, [e.id for e in entries])
-            for e in entries:
-                e.deliveries = counts.get(e.id, 1)
-            return entries
+        """Own pending entries first (once, after a (re)start), then new ones.
+
+        The backlog of a consumer name is what it read before a crash or restart; it is
+        replayed from id ``0`` until exhausted, then the consumer only reads ``>`` (new
+        entries), blocking up to ``block_ms``. Entries it leaves pending later (e.g. a
+        failing reward function) come back through `reclaim` after ``claim_idle_ms``.
+        """
+        backlog_key = (stream, group, consumer)
+        start = self._backlog.get(backlog_key, "0")
+        if start is not None:
+            resp = await self.r.xreadgroup(group, consumer, {stream: start}, count=count)
+            entries = _entries(resp)
+            if entries:
+                self._backlog[backlog_key] = entries[-1].id
+                counts = await self.delivery_counts(stream, group, [e.id for e in entries])
+                for e in entries:
+                    e.deliveries = counts.get(e.id, 1)
+                return entries
+            self._backlog[backlog_key] = None
         resp = await self.r.xreadgroup(group, consumer, {stream: ">"}, count=count,
                                        block=block_ms)
         return _entries(resp)

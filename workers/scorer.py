@@ -97,9 +97,8 @@ class Scorer:
                 self.counts["reward_errors"] += 1
                 if e.deliveries >= self.cfg.bus.max_deliveries:
                     await self.dead(bus, e, f"reward: {err}")
-                else:  # stays pending; read again (own pending first) after a pause
+                else:  # stays pending; reclaimed and retried after claim_idle_ms
                     log.warning("reward failed for %s (delivery %d): %s", e.id, e.deliveries, err)
-                    await asyncio.sleep(min(0.2 * e.deliveries, 2.0))
                 continue
             scored.append((e, g, parts, total))
         if not scored:

@@ -131,9 +131,9 @@ def test_greedy_matches_hf_generate(dirs: tuple[Path, Path]) -> None:
     for prompt, c in zip(PROMPTS, got, strict=True):
         _check_shape(c, max_new)
         with torch.no_grad():
-            gen = ref.generate(
-                torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new
-            )[0, len(prompt) :]
+            gen = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new)[
+                0, len(prompt) :
+            ]
         assert c.token_ids.tolist() == gen.tolist()
         lp = torch.log_softmax(_full_logits(ref, prompt, c), -1).max(-1).values
         np.testing.assert_allclose(c.logprobs, lp.numpy(), atol=1e-4)

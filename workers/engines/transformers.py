@@ -3,6 +3,7 @@
 We do not use ``model.generate`` because we need (a) the exact per-token behaviour logprob
 under the processed sampling distribution, (b) per-token weight versions and (c) the ability
 to swap weights between decode steps while keeping the KV cache (vLLM-style pause-keep).
+The cache is passed as ``cache=`` (transformers >= 5.2x renamed ``past_key_values``).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class TransformersEngine:
             return
         self._pending = (state_dict, version)
         if self._active == 0:
-            pass
+            self._apply_pending()
 
     def _apply_pending(self) -> None:
         if self._pending is None:

@@ -1,0 +1,181 @@
+"""Read-only views of a run: `snapshot` (for `sluice status`) and `tail` (follow a stream).
+
+The monitor never writes. `snapshot` reads state and both consumer groups in one MULTI,
+so the conservation equation it reports is checked on one instant of the bus:
+
+    cursor == retired + in_flight,
+    in_flight = generating + Σ_streams (undelivered lag + pending)
+
+where ``generating`` counts groups admitted but not yet appended to ``rollouts``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+from redis.exceptions import ResponseError
+
+from pipeline.bus import Bus
+from pipeline.codec import DecodeError, decode_entry
+from pipeline.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP
+from pipeline.schema import RolloutGroup, RunFinished, ScoredGroup, WeightsPublished
+
+PIPELINE_GROUPS = (("rollouts", SCORERS_GROUP), ("scored", TRAINERS_GROUP))
+
+
+def _dec(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return v.decode()
+    if isinstance(v, dict):
+        return {_dec(k): _dec(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_dec(x) for x in v]
+    return v
+
+
+async def snapshot(bus: Bus) -> dict[str, Any]:
+    """Streams, groups, consumers, workers, state and the conservation check."""
+    k = bus.keys
+    pipe = bus.r.pipeline(transaction=True)
+    pipe.hgetall(k.state)
+    for name in ("rollouts", "scored", "control", "dlq"):
+        pipe.xlen(k.stream(name))
+    for name, group in PIPELINE_GROUPS:
+        pipe.xinfo_groups(k.stream(name))
+        pipe.xinfo_consumers(k.stream(name), group)
+    res = await pipe.execute(raise_on_error=False)
+    state = {_dec(a): int(b) for a, b in (res[0] or {}).items()}
+    lengths = dict(zip(("rollouts", "scored", "control", "dlq"), res[1:5], strict=True))
+    groups: dict[str, Any] = {}
+    in_streams: int | None = 0
+    for i, (name, group) in enumerate(PIPELINE_GROUPS):
+        infos, consumers = res[5 + 2 * i], res[6 + 2 * i]
+        info = {}
+        if not isinstance(infos, ResponseError):
+            info = next((_dec(g) for g in infos if _dec(g.get("name")) == group), {})
+        cons = [] if isinstance(consumers, ResponseError) else [_dec(c) for c in consumers]
+        lag, pending = info.get("lag"), int(info.get("pending", 0) or 0)
+        if lag is None and info:
+            in_streams = None  # Redis cannot tell the lag (entries were deleted)
+        elif in_streams is not None:
+            in_streams += int(lag or 0) + pending
+        groups[f"{name}/{group}"] = {"lag": lag, "pending": pending, "consumers": cons,
+                                     "exists": bool(info)}
+    cursor, retired = state.get("cursor", 0), state.get("retired", 0)
+    generating = state.get("generating", 0)
+    in_flight = None if in_streams is None else generating + in_streams
+    workers = await bus.workers()
+    return {
+        "t": time.time(), "state": state, "lengths": lengths, "groups": groups,
+        "workers": workers,
+        "conservation": {
+            "cursor": cursor, "retired": retired, "in_flight": in_flight,
+            "generating": generating,
+            "by_reason": {r: state.get(f"retired:{r}", 0) for r in RETIRE_REASONS},
+            "balanced": in_flight is not None and cursor == retired + in_flight
+            and retired == sum(state.get(f"retired:{r}", 0) for r in RETIRE_REASONS),
+        },
+    }
+
+
+def render_status(snap: dict[str, Any], window: int | None = None) -> Any:
+    """A rich renderable of a snapshot."""
+    from rich.console import Group
+    from rich.table import Table
+
+    now = snap["t"]
+    st = snap["state"]
+    c = snap["conservation"]
+    head = Table.grid(padding=(0, 2))
+    gate = ""
+    if window is not None:
+        open_ = c["cursor"] - c["retired"] < window
+        gate = f"gate {'open' if open_ else 'CLOSED'} ({c['cursor'] - c['retired']}/{window})"
+    head.add_row(f"version [bold]{st.get('version', '-')}[/]", gate)
+    eq = (f"cursor {c['cursor']} == retired {c['retired']} + in_flight {c['in_flight']} "
+          f"(generating {c['generating']})  ->  "
+          + ("[green]balanced[/]" if c["balanced"] else "[red]NOT balanced[/]"))
+    head.add_row(eq, "retired: " + ", ".join(f"{r} {n}" for r, n in c["by_reason"].items()))
+
+    streams = Table(title="streams", title_justify="left")
+    for col in ("stream", "length", "group", "lag", "pending", "consumers (pending, idle)"):
+        streams.add_column(col)
+    for name in ("rollouts", "scored", "control", "dlq"):
+        length = snap["lengths"].get(name)
+        length = length if isinstance(length, int) else 0
+        g = next(((gn, gi) for gn, gi in snap["groups"].items() if gn.startswith(name + "/")),
+                 None)
+        if g is None:
+            streams.add_row(name, str(length), "", "", "", "")
+            continue
+        gname, gi = g
+        cons = ", ".join(f"{x['name']} ({x['pending']}, {x['idle'] / 1000:.1f}s)"
+                         for x in gi["consumers"])
+        streams.add_row(name, str(length), gname.split("/")[1], str(gi["lag"]),
+                        str(gi["pending"]), cons)
+
+    workers = Table(title="workers", title_justify="left")
+    for col in ("worker", "pid", "version", "healthy", "age", "counters"):
+        workers.add_column(col)
+    for wid, w in sorted(snap["workers"].items()):
+        age = now - float(w.get("t", 0))
+        skip = {"pid", "host", "t", "version", "healthy", "started", "last", "part_sums"}
+        counters = " ".join(f"{k}={v}" for k, v in w.items()
+                            if k not in skip and not isinstance(v, dict | list))
+        healthy = "exited" if w.get("exited") else ("yes" if w.get("healthy") else "NO")
+        workers.add_row(wid, str(w.get("pid")), str(w.get("version", "")), healthy,
+                        f"{age:.1f}s", counters[:90])
+    return Group(head, streams, workers)
+
+
+def describe(stream: str, msg: Any) -> str:
+    """One line for `sluice tail`: version, rewards, advantages, lengths."""
+    if isinstance(msg, ScoredGroup | RolloutGroup):
+        g = msg.group if isinstance(msg, ScoredGroup) else msg
+        vers = np.concatenate([r.versions for r in g.rollouts]) if g.rollouts else np.zeros(1)
+        lens = [len(r.completion_ids) for r in g.rollouts]
+        line = (f"{g.group_id:>12}  v{int(vers.min())}-{int(vers.max())}  "
+                f"len {min(lens)}-{max(lens)}  prompt {str(g.prompt.get('text', ''))!r}")
+        if isinstance(msg, ScoredGroup):
+            line += ("  rewards [" + " ".join(f"{x:.2f}" for x in msg.rewards) + "]"
+                     "  adv [" + " ".join(f"{x:+.2f}" for x in msg.advantages) + "]")
+        else:
+            line += "  texts " + " ".join(repr(r.text) for r in g.rollouts[:4])
+        return line
+    if isinstance(msg, WeightsPublished):
+        return f"weights v{msg.version} step {msg.step} {msg.format} {msg.nbytes} B {msg.uri}"
+    if isinstance(msg, RunFinished):
+        return f"run finished: {msg.reason}"
+    return repr(msg)
+
+
+async def tail(bus: Bus, stream: str, *, from_start: bool = False, count: int | None = None,
+               out: Any = print, stop: asyncio.Event | None = None) -> int:
+    """Follow ``stream`` and print one decoded line per entry; returns entries printed."""
+    key = bus.keys.stream(stream)
+    last = "0" if from_start else "$"
+    if last == "$":
+        rows = await bus.r.xrevrange(key, count=1)
+        last = rows[0][0].decode() if rows else "0"
+    n = 0
+    while (stop is None or not stop.is_set()) and (count is None or n < count):
+        resp = await bus.retrying(lambda last=last: bus.r.xread({key: last}, block=500, count=50),
+                                  "tail", stop)
+        for _s, items in resp or []:
+            for entry_id, fields in items:
+                last = entry_id.decode()
+                if stream == "dlq":
+                    f = _dec({k: v for k, v in fields.items() if not k.startswith(b"orig:")})
+                    out(f"{last}  dlq  {f.get('role')}  {f.get('reason')}")
+                else:
+                    try:
+                        out(f"{last}  {describe(stream, decode_entry(fields))}")
+                    except DecodeError as e:
+                        out(f"{last}  <undecodable: {e}>")
+                n += 1
+                if count is not None and n >= count:
+                    return n
+    return n

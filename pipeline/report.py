@@ -1,0 +1,122 @@
+"""End-of-run summary and reward-curve plot for `sluice up`.
+
+Figures come from files the roles wrote (``metrics.jsonl`` by the trainer, ``eval.jsonl``
+by the evaluator) and from the supervisor's samples of the scorers' counters, so the
+summary is reproducible from the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.config import Config
+
+if TYPE_CHECKING:
+    from pipeline.up import Supervisor
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    from pipeline.up import read_jsonl
+
+    return read_jsonl(path)
+
+
+def summary_dict(cfg: Config, sup: Supervisor, snap: dict[str, Any],
+                 reason: str) -> dict[str, Any]:
+    out = cfg.output_path
+    metrics = _read(out / "metrics.jsonl")
+    evals = _read(out / "eval.jsonl")
+    wall = sup.samples[-1].t if sup.samples else 0.0
+    completions = sup.samples[-1].n if sup.samples else 0
+    first_reward = next((s.reward / s.n for s in sup.samples if s.n >= 64), None)
+    reward_after, exact_after = sup.recent(256)
+    t_09 = next((e["t"] for e in evals if e["exact_match"] >= 0.9), None)
+    stal = [m["staleness_mean"] for m in metrics]
+    return {
+        "reason": reason,
+        "steps": metrics[-1]["step"] if metrics else 0,
+        "wall_s": round(wall, 1),
+        "completions_scored": completions,
+        "completions_per_s": round(completions / wall, 2) if wall else None,
+        "sampled_reward_first": first_reward,
+        "sampled_reward_last": reward_after,
+        "sampled_exact_last": exact_after,
+        "eval_exact_before": evals[0]["exact_match"] if evals else None,
+        "eval_exact_after": evals[-1]["exact_match"] if len(evals) > 1 else None,
+        "eval_reward_before": evals[0]["reward"] if evals else None,
+        "eval_reward_after": evals[-1]["reward"] if len(evals) > 1 else None,
+        "time_to_eval_exact_0.9_s": t_09,
+        "staleness_mean": sum(stal) / len(stal) if stal else None,
+        "staleness_max": max((m["staleness_max"] for m in metrics), default=None),
+        "dropped_stale": snap["conservation"]["by_reason"]["stale"],
+        "filtered": snap["conservation"]["by_reason"]["filtered"],
+        "dead": snap["conservation"]["by_reason"]["dead"],
+        "conservation": snap["conservation"],
+    }
+
+
+def plot(cfg: Config, sup: Supervisor, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = cfg.output_path
+    evals = _read(out / "eval.jsonl")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    pts = []
+    for i in range(1, len(sup.samples)):
+        a = next((s for s in reversed(sup.samples[:i]) if sup.samples[i].n - s.n >= 128),
+                 sup.samples[0])
+        b = sup.samples[i]
+        dn = b.n - a.n
+        if dn > 0:
+            pts.append((b.t, (b.reward - a.reward) / dn, (b.exact - a.exact) / dn))
+    if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label="sampled reward (scorers)")
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], label="sampled exact match", alpha=0.7)
+    if evals:
+        ax.plot([e["t"] for e in evals], [e["exact_match"] for e in evals], "o-",
+                label="held-out greedy exact match")
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(f"sluice: {cfg.run.name} ({cfg.task.name})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summarize(cfg: Config, sup: Supervisor, snap: dict[str, Any], reason: str) -> bool:
+    """Print the summary, write summary.json and the plot; True if the books balance."""
+    s = summary_dict(cfg, sup, snap, reason)
+    out = cfg.output_path
+    (out / "summary.json").write_text(json.dumps(s, indent=2))
+    if cfg.up.plot and sup.samples:
+        try:
+            plot(cfg, sup, out / "reward_curve.png")
+        except Exception as e:
+            print(f"plot failed: {e}", file=sys.stderr)
+
+    def f(x: Any, spec: str = ".3f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    c = s["conservation"]
+    print(f"""
+sluice run {cfg.run.name!r} ended: {reason}
+  steps                 {s['steps']} in {s['wall_s']} s
+  completions scored    {s['completions_scored']} ({f(s['completions_per_s'], '.1f')}/s)
+  held-out greedy exact {f(s['eval_exact_before'])} -> {f(s['eval_exact_after'])}
+  held-out reward       {f(s['eval_reward_before'])} -> {f(s['eval_reward_after'])}
+  sampled reward        {f(s['sampled_reward_first'])} -> {f(s['sampled_reward_last'])}
+  time to 0.9 exact     {f(s['time_to_eval_exact_0.9_s'], '.0f')} s
+  staleness mean / max  {f(s['staleness_mean'], '.2f')} / {f(s['staleness_max'], '.0f')}
+  retired               {c['by_reason']}
+  conservation          cursor {c['cursor']} == retired {c['retired']} + in_flight \
+{c['in_flight']}: {'balanced' if c['balanced'] else 'NOT BALANCED'}
+  run directory         {out}""")
+    return bool(c["balanced"])

@@ -1,0 +1,276 @@
+"""`sluice up`: every role as its own OS process on one machine, plus a live view.
+
+Order: embedded Redis (unless ``bus.redis_url`` is set) → trainer (publishes v0 and
+creates the consumer groups) → scorers → generators → evaluator. Roles talk only through
+Redis; this supervisor only starts them, reads heartbeats and state, and stops them.
+
+Shutdown: the trainer ends the run at ``max_steps`` with a `RunFinished` announcement,
+on which every other role exits by itself. On Ctrl-C, ``max_time_s``, or any role dying
+with an error, every child gets SIGTERM (by PID), finishes or releases its work and
+exits; stragglers get SIGKILL after a grace period. A failed role is reported with the
+tail of its log, never hidden behind a pipeline that looks healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Config
+from pipeline.embedded import EmbeddedRedis
+from pipeline.monitor import snapshot
+from pipeline.runtime import connect
+
+
+@dataclass
+class Child:
+    role: str
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Sample:
+    """Scorer counters summed over scorers at one instant (cumulative)."""
+
+    t: float
+    n: int
+    reward: float
+    exact: float
+
+
+@dataclass
+class Supervisor:
+    cfg: Config
+    config_path: str
+    overrides: list[str]
+    eval_every_s: float = 20.0
+    children: list[Child] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    t0: float = field(default_factory=time.time)
+
+    def spawn(self, role: str, name: str, threads: int, extra: list[str] | None = None) -> None:
+        out = self.cfg.output_path
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        log = out / "logs" / f"{name}.log"
+        args = [sys.executable, "-m", "pipeline.cli", role, self.config_path]
+        for o in [*self.overrides, f"bus.redis_url={self.cfg.redis_url}"]:
+            args += ["--set", o]
+        args += ["--name", name, *(extra or [])]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+               "PYTHONUNBUFFERED": "1"}
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        self.children.append(Child(role, name, proc, log))
+
+    def start_roles(self) -> None:
+        c = self.cfg
+        self.spawn("train", "trainer-0", c.trainer.threads)
+        for i in range(c.up.scorers):
+            self.spawn("score", f"scorer-{i}", 1)
+        for i in range(c.up.generators):
+            self.spawn("generate", f"generator-{i}", c.generation.threads)
+        self.spawn("eval", "evaluator", 1, ["--every", str(self.eval_every_s)])
+
+    def terminate(self, grace_s: float = 20.0) -> None:
+        for ch in self.children:
+            if ch.proc.poll() is None:
+                ch.proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + grace_s
+        for ch in self.children:
+            try:
+                ch.proc.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                ch.proc.kill()
+                ch.proc.wait()
+
+    def failed(self) -> Child | None:
+        for ch in self.children:
+            rc = ch.proc.poll()
+            if rc not in (None, 0):
+                return ch
+        return None
+
+    def record(self, snap: dict[str, Any]) -> None:
+        n = reward = exact = 0.0
+        for wid, w in snap["workers"].items():
+            if wid.startswith("scorer/"):
+                n += w.get("reward_n", 0)
+                reward += w.get("reward_sum", 0.0)
+                exact += w.get("part_sums", {}).get("exact_match", 0.0)
+        self.samples.append(Sample(time.time() - self.t0, int(n), reward, exact))
+
+    def recent(self, window_n: int = 256) -> tuple[float | None, float | None]:
+        """Mean sampled reward and exact match over roughly the last ``window_n``
+        completions (from cumulative scorer counters; includes filtered groups)."""
+        if len(self.samples) < 2:
+            return None, None
+        last = self.samples[-1]
+        ref = next((s for s in reversed(self.samples) if last.n - s.n >= window_n),
+                   self.samples[0])
+        dn = last.n - ref.n
+        if dn <= 0:
+            return None, None
+        return (last.reward - ref.reward) / dn, (last.exact - ref.exact) / dn
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
+    tr = next((w for wid, w in snap["workers"].items() if wid.startswith("trainer/")), {})
+    ev = next((w for wid, w in snap["workers"].items() if wid.startswith("evaluator/")), {})
+    last = tr.get("last", {})
+    reward, exact = sup.recent()
+    c = snap["conservation"]
+    window = sup.cfg.trainer.window
+    elapsed = max(time.time() - sup.t0, 1e-9)
+    groups = c["cursor"] - c["generating"]
+    return {
+        "step": tr.get("step", 0), "max_steps": sup.cfg.trainer.max_steps,
+        "reward": reward, "exact": exact,
+        "eval_exact": ev.get("last", {}).get("exact_match"),
+        "staleness": last.get("staleness_mean"), "groups_per_s": groups / elapsed,
+        "gate": "open" if c["cursor"] - c["retired"] < window else "closed",
+        "balanced": c["balanced"], "version": snap["state"].get("version", 0),
+    }
+
+
+def fmt(x: Any, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
+    """Watch the run until it ends; returns why it ended."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    cfg = sup.cfg
+    bus = connect(cfg)
+    console = Console(stderr=True)
+    live = console.is_terminal
+    progress = Progress(TextColumn("[bold]sluice[/]"), BarColumn(), TextColumn("{task.fields[s]}"),
+                        TimeElapsedColumn(), console=console, disable=not live)
+    task = progress.add_task("train", total=cfg.trainer.max_steps, s="starting")
+    last_print = 0.0
+    reason = "finished"
+    trainer = sup.children[0]
+    with progress:
+        while True:
+            if stop.is_set():
+                reason = "interrupted"
+                break
+            if cfg.run.max_time_s and time.time() - sup.t0 > cfg.run.max_time_s:
+                reason = "max_time_s"
+                break
+            bad = sup.failed()
+            if bad is not None:
+                reason = f"{bad.name} exited with code {bad.proc.returncode}"
+                break
+            if trainer.proc.poll() == 0:
+                break
+            try:
+                snap = await snapshot(bus)
+            except Exception:
+                await asyncio.sleep(0.5)
+                continue
+            sup.record(snap)
+            s = status_line(sup, snap)
+            text = (f"step {s['step']}/{s['max_steps']}  reward {fmt(s['reward'])}  "
+                    f"exact {fmt(s['exact'])}  eval {fmt(s['eval_exact'])}  "
+                    f"stale {fmt(s['staleness'], '.2f')}  {s['groups_per_s']:.1f} groups/s  "
+                    f"gate {s['gate']}")
+            progress.update(task, completed=s["step"], s=text)
+            if not live and time.time() - last_print > 10:
+                last_print = time.time()
+                print(f"[{time.time() - sup.t0:6.0f}s] {text}", file=sys.stderr, flush=True)
+            await asyncio.sleep(0.5)
+    await bus.close()
+    return reason
+
+
+def ensure_model(cfg: Config) -> None:
+    path = Path(cfg.model.path)
+    if (path / "config.json").exists():
+        return
+    if not cfg.model.init:
+        raise SystemExit(f"model.path {path} does not exist and model.init is empty")
+    from pipeline.model import init_tiny_model
+
+    print(f"building the tiny model {cfg.model.init} in {path}", file=sys.stderr)
+    init_tiny_model(path, seed=cfg.run.seed)
+
+
+def run_up(cfg: Config, config_path: str, overrides: list[str], *, fresh: bool = False,
+           eval_every_s: float = 20.0) -> int:
+    out = cfg.output_path
+    if fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ensure_model(cfg)
+    redis = None
+    if not cfg.bus.redis_url:
+        redis = EmbeddedRedis(out / "redis").start()
+    sup = Supervisor(cfg, config_path, overrides, eval_every_s=eval_every_s)
+    stop = asyncio.Event()
+    loop = asyncio.new_event_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        sup.start_roles()
+        reason = loop.run_until_complete(supervise(sup, stop))
+        if reason == "finished":
+            # every role exits on RunFinished; give them time to flush, then insist
+            deadline = time.time() + 60
+            while time.time() < deadline and any(c.proc.poll() is None for c in sup.children):
+                time.sleep(0.2)
+        sup.terminate()
+        snap = loop.run_until_complete(_final_snapshot(cfg))
+        from pipeline.report import summarize
+
+        ok = summarize(cfg, sup, snap, reason)
+        failed = [c for c in sup.children if c.proc.returncode not in (0, -signal.SIGTERM)]
+        for c in failed:
+            print(f"\n{c.name} exited with {c.proc.returncode}; last lines of {c.log}:\n"
+                  f"{c.tail()}", file=sys.stderr)
+        return 0 if ok and not failed and reason in ("finished", "max_time_s") else 1
+    finally:
+        sup.terminate(grace_s=5)
+        if redis is not None:
+            redis.stop()
+        loop.close()
+
+
+async def _final_snapshot(cfg: Config) -> dict[str, Any]:
+    bus = connect(cfg)
+    try:
+        return await snapshot(bus)
+    finally:
+        await bus.close()
