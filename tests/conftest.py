@@ -1,0 +1,43 @@
+"""Shared fixtures: one real redis-server per test session, on a free loopback port.
+
+The server is started by the session (never 0.0.0.0, no persistence unless a test asks)
+and stopped by PID at the end; each test gets its own run name, so keys never collide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from pipeline.embedded import EmbeddedRedis, free_port
+
+T = TypeVar("T")
+
+
+def arun(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    srv = EmbeddedRedis(tmp_path_factory.mktemp("redis"), port=free_port(), appendonly=False)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def run_name() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pipeline.model import init_tiny_model
+
+    return init_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)

@@ -1,0 +1,86 @@
+"""Scorer hand-off: reclaimed after a crash, emitted exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import redis
+
+from pipeline.bus import Bus
+from pipeline.codec import decode_entry, encode
+from pipeline.embedded import EmbeddedRedis
+from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP, Keys
+from pipeline.schema import ScoredGroup
+from tests.conftest import arun
+from tests.helpers import make_group, spawn_role, wait_for, write_config
+
+pytestmark = pytest.mark.integration
+
+
+def test_conditional_handoff_emits_once_when_two_consumers_race(
+        redis_server: EmbeddedRedis, run_name: str) -> None:
+    async def go() -> None:
+        bus = Bus.connect(redis_server.url, run_name)
+        k = bus.keys
+        await bus.ensure_group(k.rollouts, SCORERS_GROUP)
+        eid = await bus.xadd(k.rollouts, encode(make_group()))
+        await bus.read_group(k.rollouts, SCORERS_GROUP, "a", count=1, block_ms=10)
+        # consumer b reclaims a's entry (a is presumed dead), then both hand off
+        claimed = await bus.reclaim(k.rollouts, SCORERS_GROUP, "b", min_idle_ms=0, count=10)
+        assert [e.id for e in claimed] == [eid] and claimed[0].deliveries == 2
+        first = await bus.handoff(k.rollouts, SCORERS_GROUP, eid, k.scored, b"payload")
+        second = await bus.handoff(k.rollouts, SCORERS_GROUP, eid, k.scored, b"payload")
+        assert first is not None and second is None
+        assert await bus.r.xlen(k.scored) == 1
+        await bus.close()
+
+    arun(go())
+
+
+def test_scorer_killed_between_read_and_ack_group_is_reclaimed_and_emitted_once(
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "run.toml", f"""
+[run]
+name = "{run_name}"
+output_dir = "{tmp_path / 'out'}"
+[bus]
+redis_url = "{redis_server.url}"
+claim_idle_ms = 500
+block_ms = 100
+""")
+    keys = Keys(run_name)
+    r = redis.Redis.from_url(redis_server.url)
+    r.xgroup_create(keys.rollouts, SCORERS_GROUP, id="0", mkstream=True)
+    r.xadd(keys.rollouts, {b"m": encode(make_group("0:7"))})
+
+    hung = spawn_role("score", cfg, "scoring.rewards=[{fn='tests.helpers:hang_reward'}]",
+                      name="doomed", log=tmp_path / "doomed.log")
+    try:
+        wait_for(lambda: r.xpending(keys.rollouts, SCORERS_GROUP)["pending"] == 1, 60,
+                 "the doomed scorer to read the group")
+        os.kill(hung.pid, signal.SIGKILL)  # between read and ack
+        hung.wait(10)
+    finally:
+        if hung.poll() is None:
+            hung.kill()
+    assert r.xlen(keys.scored) == 0
+
+    good = spawn_role("score", cfg, name="rescuer", log=tmp_path / "rescuer.log")
+    try:
+        wait_for(lambda: r.xlen(keys.scored) >= 1, 60, "the rescuer to hand the group on")
+        wait_for(lambda: r.xpending(keys.rollouts, SCORERS_GROUP)["pending"] == 0, 10,
+                 "the rollouts pending list to empty")
+    finally:
+        good.send_signal(signal.SIGTERM)
+        assert good.wait(30) == 0, (tmp_path / "rescuer.log").read_text()[-2000:]
+    entries = r.xrange(keys.scored)
+    assert len(entries) == 1, "emitted exactly once"
+    sg = decode_entry(entries[0][1])
+    assert isinstance(sg, ScoredGroup) and sg.group.group_id == "0:7"
+    assert sg.scorer.endswith("rescuer")
+    # the new scorer's group was created for the trainer too
+    assert any(g["name"] == TRAINERS_GROUP.encode() for g in r.xinfo_groups(keys.scored))
+    r.close()
