@@ -290,7 +290,8 @@ def decode(data: bytes, limits: Limits | None = None, expect: type | None = None
     elif kind == "weights":
         msg = _decode_weights(m)
     elif kind == "finished":
-        msg = RunFinished(reason=_get(m, "reason", str, "finished"), t=float(m.get("t", 0.0)))
+        t = _finite(_get(m, "t", (int, float), "finished"), "finished.t") if "t" in m else 0.0
+        msg = RunFinished(reason=_get(m, "reason", str, "finished"), t=t)
     else:
         raise DecodeError(f"unknown message type {kind!r}")
     if expect is not None and not isinstance(msg, expect):

@@ -215,8 +215,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a TOML file (or defaults when ``path`` is None), apply overrides, validate.
 
-    Relative ``run.output_dir`` and ``model.path`` are resolved against the current
-    directory, so every role started from the same place agrees on them.
+    Relative ``run.output_dir`` and ``model.path`` are relative to the current directory
+    of each process; `sluice up` starts every role in its own directory, so they agree.
     """
     data: dict[str, Any] = {}
     source = "defaults"

@@ -24,7 +24,7 @@ class Keys:
     run: str
 
     def __post_init__(self) -> None:
-        if not _RUN_NAME.match(self.run):
+        if not _RUN_NAME.fullmatch(self.run):
             raise ValueError(
                 f"run name {self.run!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
             )

@@ -56,8 +56,11 @@ def spawn_role(role: str, config: Path, *overrides: str, name: str | None = None
     if name:
         args += ["--name", name]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if log is None:
+        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT)
+    with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait_for(pred: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
