@@ -20,7 +20,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True,
+                              use_attribute_docstrings=True)
 
 
 class RunConfig(_Section):
@@ -60,12 +61,14 @@ class ModelConfig(_Section):
     init: Literal["", "tiny-char-qwen2"] = "tiny-char-qwen2"
     """If `path` does not exist yet, `sluice up` builds this model there ('' = never)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of every role's copy of the model."""
 
 
 class TaskConfig(_Section):
     name: str = "copy"
     """Built-in task (copy, reverse, add) or `jsonl` (then `path` is a JSONL file)."""
     path: str = ""
+    """Data file of the `jsonl` task (one JSON object per line: prompt, answer, …)."""
     num_prompts: int = Field(20_000, ge=1)
     """Training prompts of a procedural task (one epoch)."""
     heldout: int = Field(256, ge=1)
@@ -74,10 +77,13 @@ class TaskConfig(_Section):
 
 class GenerationConfig(_Section):
     engine: Literal["transformers"] = "transformers"
+    """In-process engine (`transformers`); `vllm` arrives with issue 4."""
     num_generations: int = Field(8, ge=2, le=1024)
     """Completions per prompt (one group)."""
     max_new_tokens: int = Field(8, ge=1)
+    """Completion length cap; a completion that reaches it ends with finish_reason length."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer divides its logits by the same value."""
     top_k: int = Field(0, ge=0)
     """0 = off."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -92,12 +98,14 @@ class RewardSpec(_Section):
     fn: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
     """Import path ``package.module:function``."""
     weight: float = 1.0
+    """Weight in the summed reward; 0 records the function's value without using it."""
 
 
 class ScoringConfig(_Section):
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(fn="workers.rewards:copy_reward")]
     )
+    """Reward functions (TRL signature) and weights; the total is the weighted sum."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """How advantages are scaled (TRL's scale_rewards); `batch` is per scorer read."""
     reward_timeout_s: float = Field(30.0, gt=0)
@@ -108,30 +116,44 @@ class ScoringConfig(_Section):
 
 class TrainerConfig(_Section):
     groups_per_step: int = Field(8, ge=1)
+    """Groups (prompts) per optimizer step, after zero-variance groups are filtered."""
     max_staleness: int = Field(1, ge=0)
     """Samples with version_now - min(token version) above this are dropped (retired
     `stale`). Also sizes the admission window: (max_staleness + 1) * groups_per_step."""
     admission_window: int = Field(0, ge=0)
     """Groups in flight allowed by the gate; 0 = (max_staleness + 1) * groups_per_step."""
     lr: float = Field(1e-4, gt=0)
+    """AdamW learning rate (constant)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
     max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient norm clip."""
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "dapo"
+    """Normalisation of the GRPO loss, as TRL's loss_type (see trainer/loss.py)."""
     epsilon: float = Field(0.2, gt=0, lt=1)
+    """Lower clip range of the surrogate ratio."""
     epsilon_high: float | None = Field(None, gt=0)
+    """Upper clip range (DAPO's clip-higher); None = epsilon."""
     is_mode: Literal[
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"
     ] = "token_truncate"
+    """Importance-sampling correction between trainer and behaviour logprobs."""
     is_clip_min: float = Field(0.0, ge=0)
+    """Lower bound of the IS ratio for the *_mask modes."""
     is_clip_max: float = Field(3.0, gt=0)
+    """Truncation (or upper mask bound) of the IS ratio."""
     beta: float = Field(0.0, ge=0)
+    """KL coefficient to the frozen initial model (k3 estimator); 0 = no reference."""
     weight_sync_steps: int = Field(1, ge=1)
     """Publish and announce weights every this many optimizer steps."""
     save_steps: int = Field(50, ge=1)
     """Checkpoint (weights, optimizer, step, version) every this many steps."""
     keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk (oldest pruned)."""
     max_steps: int = Field(200, ge=1)
+    """The trainer ends the run (RunFinished) after this many optimizer steps."""
     threads: int = Field(1, ge=1)
     """torch threads of the trainer process."""
 
@@ -150,9 +172,9 @@ class UpConfig(_Section):
     scorers: int = Field(2, ge=0, le=64)
     """Scorer processes `sluice up` starts."""
     generators: int = Field(1, ge=0, le=64)
-    eval_prompts: int = Field(128, ge=1)
-    """Held-out prompts for the before/after greedy exact-match."""
+    """Generator processes `sluice up` starts."""
     plot: bool = True
+    """Write reward_curve.png into output_dir at the end."""
 
 
 class Config(_Section):
