@@ -1,0 +1,121 @@
+"""Trainer against a real Redis: staleness, dedup, ack-after-step, publish, resume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline import control
+from pipeline.bus import Bus
+from pipeline.codec import encode
+from pipeline.config import Config, load_config
+from pipeline.embedded import EmbeddedRedis
+from pipeline.keys import TRAINERS_GROUP
+from pipeline.monitor import snapshot
+from pipeline.schema import ScoredGroup
+from tests.conftest import arun
+from tests.helpers import make_group
+from trainer.loop import StaleSampleError, Trainer
+
+pytestmark = pytest.mark.integration
+
+
+def _cfg(redis_server: EmbeddedRedis, run_name: str, tmp_path: Path, model: Path) -> Config:
+    return load_config(None, [
+        f"run.name={run_name}", f"run.output_dir={tmp_path / 'out'}",
+        f"bus.redis_url={redis_server.url}", "bus.block_ms=50", f"model.path={model}",
+        "trainer.groups_per_step=2", "trainer.max_staleness=1", "trainer.max_steps=1",
+        "trainer.save_steps=1"])
+
+
+def _scored(gid: str, version: int) -> bytes:
+    g = make_group(gid, version=version)
+    rewards = np.array([1.0, 0.5, 0.25, 0.0], dtype=np.float32)
+    adv = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-4)
+    return encode(ScoredGroup(group=g, rewards=rewards, reward_parts={"copy": rewards},
+                              advantages=adv.astype(np.float32), scorer="t", t_scored=0.0))
+
+
+def test_trainer_drops_stale_dedups_trains_acks_publishes_and_resumes(
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path,
+        tiny_model_dir: Path) -> None:
+    cfg = _cfg(redis_server, run_name, tmp_path, tiny_model_dir)
+
+    async def go() -> dict:
+        bus = Bus.connect(cfg.redis_url, run_name)
+        k = bus.keys
+        await bus.ensure_group(k.scored, TRAINERS_GROUP)
+        await bus.set_version(3)  # the bus has seen version 3 (e.g. an earlier trainer)
+        for _ in range(4):
+            await bus.admit(100)
+        for _ in range(4):
+            await bus.emit(b"placeholder")  # admitted groups now live in rollouts...
+        # ...and were handed on to `scored`: v2 stale at version 4, then a duplicate
+        await bus.r.xgroup_create(k.rollouts, "scorers", id="0")
+        await bus.r.xreadgroup("scorers", "s", {k.rollouts: ">"})
+        ids = [e[0] for e in (await bus.r.xrange(k.rollouts))]
+        await bus.r.xack(k.rollouts, "scorers", *ids)
+        for gid, v in (("0:1", 2), ("0:2", 4), ("0:2", 4), ("0:3", 3)):
+            await bus.xadd(k.scored, _scored(gid, v))
+        tr = Trainer(cfg)
+        await tr.run(asyncio.Event())
+        out = {"snap": await snapshot(bus), "latest": await control.latest(bus),
+               "finished": await control.finished(bus), "trainer": tr.info()}
+        await bus.close()
+        return out
+
+    out = arun(go())
+    c = out["snap"]["conservation"]
+    assert out["trainer"]["step"] == 1 and out["trainer"]["version"] == 5
+    assert c["by_reason"] == {"trained": 2, "filtered": 0, "stale": 1, "dead": 0}
+    assert out["trainer"]["duplicates"] == 1
+    # the duplicate entry was acked without retiring; the 4th admitted group never came
+    assert c["cursor"] == 4 and c["retired"] == 3 and c["in_flight"] == 0
+    assert not c["balanced"]  # one admitted group was duplicated instead of delivered
+    # version never moves backwards: bus had 3, trainer announced 4 at start, 5 after step
+    assert out["latest"].version == 5 and out["snap"]["state"]["version"] == 5
+    assert out["finished"] is not None and out["finished"].reason == "max_steps"
+    metrics = [json.loads(x) for x in (cfg.output_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 1 and metrics[0]["groups"] == 2 and metrics[0]["dropped_stale"] == 1
+    assert metrics[0]["staleness_max"] <= 1
+    assert (cfg.output_path / "checkpoints" / "step-00000001" / "meta.json").exists()
+
+    # resume: a second trainer continues from the checkpoint at a newer version
+    cfg2 = load_config(None, [*_overrides(cfg), "trainer.max_steps=1"])
+
+    async def again() -> dict:
+        tr = Trainer(cfg2)
+        bus = Bus.connect(cfg2.redis_url, run_name)
+        await tr.resume(bus)
+        st = await bus.state()
+        await bus.close()
+        return {"step": tr.state.step, "version": tr.state.version, "bus": st["version"],
+                "trained": list(tr.trained)}
+
+    res = arun(again())
+    assert res["step"] == 1 and res["version"] == 6 and res["bus"] == 6
+    assert sorted(res["trained"]) == ["0:2", "0:3"]
+
+
+def _overrides(cfg: Config) -> list[str]:
+    return [f"run.name={cfg.run.name}", f"run.output_dir={cfg.run.output_dir}",
+            f"bus.redis_url={cfg.bus.redis_url}", "bus.block_ms=50",
+            f"model.path={cfg.model.path}", "trainer.groups_per_step=2",
+            "trainer.max_staleness=1"]
+
+
+def test_train_step_refuses_a_stale_sample_that_slipped_through(
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path,
+        tiny_model_dir: Path) -> None:
+    from pipeline.codec import decode
+
+    tr = Trainer(_cfg(redis_server, run_name, tmp_path, tiny_model_dir))
+    tr.state.version = 5
+    sg = decode(_scored("0:9", 1))
+    assert isinstance(sg, ScoredGroup)
+    with pytest.raises(StaleSampleError, match="stale"):
+        tr.train_step([sg])
