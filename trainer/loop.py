@@ -229,6 +229,8 @@ class Trainer:
                 while len(self.trained) > TRAINED_IDS_KEPT:
                     self.trained.popitem(last=False)
                 self.counts["trained_groups"] += retired
+                run_state = await bus.retrying(bus.state, "state")
+                metrics["filtered"] = run_state.get("retired:filtered", 0)
                 self.record(groups, metrics, t0, t1)
                 if self.state.step % self.tc.save_steps == 0:
                     self.checkpoint()

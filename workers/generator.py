@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 
 import numpy as np
 
@@ -60,7 +61,8 @@ class Generator:
         self.task = make_task(cfg.task.name, seed=cfg.run.seed, num_prompts=cfg.task.num_prompts,
                               path=cfg.task.path or None)
         model, self.tokenizer = load_model(cfg.model.path, dtype=cfg.model.dtype)
-        seed = (cfg.run.seed * 1_000_003 + hash(self.wid)) % 2**31
+        # distinct, reproducible sampling streams per generator name
+        seed = (cfg.run.seed * 1_000_003 + zlib.crc32(self.wid.encode())) % 2**31
         self.engine = TransformersEngine(model, self.tokenizer, seed=seed, version=0)
         self.store = FileWeightStore(cfg.output_path / "weights")
         self.params = SamplingParams(
