@@ -33,6 +33,23 @@ async def finish(bus: Bus, reason: str) -> str:
     return await bus.xadd(bus.keys.control, encode(RunFinished(reason=reason, t=time.time())))
 
 
+async def clear_finished(bus: Bus) -> int:
+    """Delete end-of-run markers, so a resumed run's roles do not stop on an old one.
+
+    Called only by the trainer (the run's owner) when it resumes with steps left to
+    train, before it heartbeats; `sluice up` starts the other roles after that.
+    """
+    rows = await bus.r.xrange(bus.keys.control)
+    stale = []
+    for entry_id, fields in rows:
+        try:
+            if isinstance(decode_entry(fields), RunFinished):
+                stale.append(entry_id)
+        except DecodeError:
+            continue
+    return int(await bus.r.xdel(bus.keys.control, *stale)) if stale else 0
+
+
 async def latest(bus: Bus, scan: int = 200) -> WeightsPublished | None:
     """The newest valid weight announcement (skipping corrupt entries), or None."""
     rows = await bus.r.xrevrange(bus.keys.control, count=scan)

@@ -81,14 +81,42 @@ class Supervisor:
                                     start_new_session=True)
         self.children.append(Child(role, name, proc, log))
 
-    def start_roles(self) -> None:
+    def start_roles(self, trainer_ready_s: float = 300.0) -> None:
+        """Trainer first; the others once it heartbeats (it has then created the groups,
+        announced its weights and cleared an old end-of-run marker)."""
         c = self.cfg
         self.spawn("train", "trainer-0", c.trainer.threads)
+        self.wait_for_trainer(trainer_ready_s)
         for i in range(c.up.scorers):
             self.spawn("score", f"scorer-{i}", 1)
         for i in range(c.up.generators):
             self.spawn("generate", f"generator-{i}", c.generation.threads)
         self.spawn("eval", "evaluator", 1, ["--every", str(self.eval_every_s)])
+
+    def wait_for_trainer(self, timeout_s: float) -> None:
+        import redis as sync_redis
+
+        from pipeline.keys import Keys
+
+        client = sync_redis.Redis.from_url(self.cfg.redis_url)
+        key = Keys(self.cfg.run.name).workers
+        deadline = time.time() + timeout_s
+        trainer = self.children[0]
+
+        def ready() -> bool:  # a heartbeat from THIS trainer process, not an old one
+            raw = client.hget(key, "trainer/trainer-0")
+            return raw is not None and json.loads(raw).get("pid") == trainer.proc.pid
+
+        try:
+            while not ready():
+                if trainer.proc.poll() is not None:
+                    raise RuntimeError(f"the trainer exited with {trainer.proc.returncode} "
+                                       f"before it was ready:\n{trainer.tail()}")
+                if time.time() > deadline:
+                    raise TimeoutError(f"the trainer was not ready within {timeout_s} s")
+                time.sleep(0.2)
+        finally:
+            client.close()
 
     def terminate(self, grace_s: float = 20.0) -> None:
         for ch in self.children:

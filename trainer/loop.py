@@ -206,6 +206,8 @@ class Trainer:
         await bus.retrying(lambda: bus.ensure_group(bus.keys.scored, TRAINERS_GROUP), "group")
         Path(self.cfg.output_path).mkdir(parents=True, exist_ok=True)
         await self.resume(bus)
+        if self.state.step < self.tc.max_steps:
+            await control.clear_finished(bus)
         hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info)
         hb.start()
         finished_reason = "stopped"

@@ -46,3 +46,15 @@ def test_sluice_up_short_run_learns_balances_and_exits_cleanly(tmp_path: Path) -
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step-00000060"
     assert "conservation" in proc.stdout and "balanced" in proc.stdout
+
+    # resume the same run directory with more steps: continues from the checkpoint
+    args = [a.replace("trainer.max_steps=60", "trainer.max_steps=70") for a in args]
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=420)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 70 and summary["conservation"]["balanced"], summary
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 71))  # resumed, not restarted
+    versions = [m["version"] for m in metrics]
+    assert versions == sorted(versions) and len(set(versions)) == 70  # never backwards
