@@ -175,6 +175,8 @@ class UpConfig(_Section):
     """Generator processes `sluice up` starts."""
     plot: bool = True
     """Write reward_curve.png into output_dir at the end."""
+    stop_at_eval_exact: float = Field(0.0, ge=0, le=1)
+    """Stop the run once the held-out greedy exact match reaches this (0 = never)."""
 
 
 class Config(_Section):

@@ -231,6 +231,10 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
                 continue
             sup.record(snap)
             s = status_line(sup, snap)
+            target = cfg.up.stop_at_eval_exact
+            if target and s["eval_exact"] is not None and s["eval_exact"] >= target:
+                reason = f"held-out exact match reached {target}"
+                break
             text = (f"step {s['step']}/{s['max_steps']}  reward {fmt(s['reward'])}  "
                     f"exact {fmt(s['exact'])}  eval {fmt(s['eval_exact'])}  "
                     f"stale {fmt(s['staleness'], '.2f')}  {s['groups_per_s']:.1f} groups/s  "
@@ -288,7 +292,8 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *, fresh: bool =
         for c in failed:
             print(f"\n{c.name} exited with {c.proc.returncode}; last lines of {c.log}:\n"
                   f"{c.tail()}", file=sys.stderr)
-        return 0 if ok and not failed and reason in ("finished", "max_time_s") else 1
+        done = reason in ("finished", "max_time_s") or reason.startswith("held-out")
+        return 0 if ok and not failed and done else 1
     finally:
         sup.terminate(grace_s=5)
         if redis is not None:

@@ -23,7 +23,8 @@ def test_sluice_up_short_run_learns_balances_and_exits_cleanly(tmp_path: Path) -
             "--set", f"run.output_dir={out}", "--set", f"model.path={tmp_path / 'model'}",
             "--set", "run.name=e2e", "--set", "trainer.max_steps=60",
             "--set", "trainer.lr=1e-3", "--set", "trainer.save_steps=25",
-            "--set", "run.max_time_s=300", "--eval-every", "5"]
+            "--set", "run.max_time_s=300", "--set", "up.stop_at_eval_exact=0",
+            "--eval-every", "5"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=420)
