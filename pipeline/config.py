@@ -144,6 +144,10 @@ class TrainerConfig(_Section):
     """Lower bound of the IS ratio for the *_mask modes."""
     is_clip_max: float = Field(3.0, gt=0)
     """Truncation (or upper mask bound) of the IS ratio."""
+    temperature: float | None = Field(None, gt=0)
+    """Temperature of the policy being trained; None = generation.temperature (TRL's
+    convention). A lower value than generation's samples from a hotter behaviour policy
+    (exploration) and lets the IS correction account for the difference."""
     beta: float = Field(0.0, ge=0)
     """KL coefficient to the frozen initial model (k3 estimator); 0 = no reference."""
     weight_sync_steps: int = Field(1, ge=1)

@@ -127,7 +127,7 @@ def render_status(snap: dict[str, Any], window: int | None = None) -> Any:
                             if k not in skip and not isinstance(v, dict | list))
         healthy = "exited" if w.get("exited") else ("yes" if w.get("healthy") else "NO")
         workers.add_row(wid, str(w.get("pid")), str(w.get("version", "")), healthy,
-                        f"{age:.1f}s", counters[:90])
+                        f"{age:.1f}s", counters)
     return Group(head, streams, workers)
 
 

@@ -141,8 +141,8 @@ class Trainer:
     def logps_of(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         comp = completion_logits(logits.float(), batch)
-        logps = selective_log_softmax(comp, batch.completion_ids,
-                                      self.cfg.generation.temperature)
+        temperature = self.tc.temperature or self.cfg.generation.temperature
+        logps = selective_log_softmax(comp, batch.completion_ids, temperature)
         return logps, comp
 
     def train_step(self, groups: list[ScoredGroup]) -> dict[str, float]:

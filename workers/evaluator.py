@@ -84,7 +84,8 @@ class Evaluator:
 
     async def run(self, stop: asyncio.Event) -> None:
         bus = connect(self.cfg)
-        hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, lambda: {"last": self.last})
+        hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s,
+                       lambda: {"version": self.engine.version, "last": self.last})
         hb.start()
         try:
             await self.run_once(0, 0)  # the initial weights, before any training
