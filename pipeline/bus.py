@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.keys import RETIRE_REASONS, Keys
@@ -39,7 +39,7 @@ log = logging.getLogger("sluice.bus")
 T = TypeVar("T")
 
 # Errors after which the connection is retried with backoff rather than crashing.
-TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, OSError)
 
 _RETIRE = """
 -- KEYS: stream, state; ARGV: group, reason, id...
@@ -153,6 +153,8 @@ class Bus:
             password=password or os.environ.get("SLUICE_REDIS_PASSWORD") or None,
             decode_responses=False,
             socket_connect_timeout=5,
+            # no command may hang forever; blocking reads use block_ms (<= 60 s) below this
+            socket_timeout=90,
             health_check_interval=15,
         )
         return cls(client, Keys(run), reconnect_max_s=reconnect_max_s)

@@ -43,6 +43,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _answers(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, redis.BusyLoadingError, OSError):
+        return False
+    finally:
+        client.close()
+
+
 class EmbeddedRedis:
     """A redis-server child process; use as a context manager or call start/stop."""
 
@@ -80,6 +90,9 @@ class EmbeddedRedis:
             raise ValueError(f"unix socket path too long for the OS: {self.socket_path}; "
                              "use a shorter run.output_dir")
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not self.port and self.socket_path.exists() and _answers(self.url):
+            raise RuntimeError(f"a Redis server is already running on {self.socket_path}: "
+                               "is another `sluice up` using this run directory?")
         self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -94,8 +107,8 @@ class EmbeddedRedis:
                 try:
                     if client.ping():
                         return self
-                except (redis.ConnectionError, OSError):
-                    pass
+                except (redis.ConnectionError, redis.BusyLoadingError, OSError):
+                    pass  # not listening yet, or still replaying its AOF
                 if time.monotonic() > deadline:
                     self.stop()
                     raise TimeoutError(f"redis-server did not answer within {timeout_s} s")

@@ -82,39 +82,60 @@ def limits(cfg: Config) -> Limits:
     return Limits(vocab_size=vocab, max_message_bytes=cfg.bus.max_message_bytes)
 
 
+async def join(task: asyncio.Task[Any], timeout_s: float) -> None:
+    """Wait for a task that was asked to stop (its ``stop`` event set); cancel it only if it
+    overruns. Cancelling a Redis command half-way can leave its connection unusable, so
+    loops are stopped by their events, not by cancellation."""
+    try:
+        await asyncio.wait_for(asyncio.shield(task), timeout_s)
+    except TimeoutError:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    except Exception as e:
+        log.debug("task ended with %s", e)
+
+
 class Heartbeat:
     """Refreshes ``workers[role/id]`` every ``period_s`` with the role's counters; a
-    failed write marks the role unhealthy but never stops it."""
+    failed write marks the role unhealthy but never stops it.
+
+    `stop` never cancels a write in flight (a command cancelled half-way can leave a
+    connection unusable): it signals the loop, which finishes its current beat and
+    returns; then the final "exited" beat is written.
+    """
 
     def __init__(self, bus: Bus, wid: str, period_s: float, info: Callable[[], dict[str, Any]]):
         self.bus, self.wid, self.period_s, self.info = bus, wid, period_s, info
         self.started = time.time()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
-    async def beat(self) -> None:
+    async def beat(self, **extra: Any) -> None:
         try:
             await self.bus.heartbeat(self.wid, {"healthy": self.bus.healthy,
-                                                "started": self.started, **self.info()})
+                                                "started": self.started, **self.info(),
+                                                **extra})
         except Exception as e:
             self.bus.healthy = False
             log.debug("heartbeat failed: %s", e)
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             await self.beat()
-            await asyncio.sleep(self.period_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.period_s)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self, forget: bool = False) -> None:
+        self._stopping.set()
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, self.period_s + 10)
         with contextlib.suppress(Exception):
             if forget:
                 await self.bus.forget_worker(self.wid)
             else:
-                await self.bus.heartbeat(self.wid, {"healthy": False, "exited": True,
-                                                    **self.info()})
+                await self.beat(exited=True, healthy=False)

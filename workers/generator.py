@@ -24,7 +24,7 @@ from pipeline.bus import worker_id
 from pipeline.codec import encode
 from pipeline.config import Config
 from pipeline.model import load_model
-from pipeline.runtime import Heartbeat, connect, set_threads
+from pipeline.runtime import Heartbeat, connect, join, set_threads
 from pipeline.schema import Rollout, RolloutGroup, RunFinished, WeightsPublished
 from pipeline.weights import FileWeightStore, WeightError
 from workers.engines.base import Completion, SamplingParams
@@ -171,7 +171,8 @@ class Generator:
         except asyncio.CancelledError:
             pass
         finally:
-            watcher.cancel()
+            stop.set()
+            await join(watcher, self.cfg.bus.block_ms / 1000 + 5)
             await hb.stop()
             await bus.close()
             log.info("generator %s stopped: %d groups", self.wid, self.groups)

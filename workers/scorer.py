@@ -28,7 +28,7 @@ from pipeline.bus import Bus, Entry, worker_id
 from pipeline.codec import DecodeError, decode_entry, encode, peek_group_id
 from pipeline.config import Config
 from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP
-from pipeline.runtime import Heartbeat, connect, limits
+from pipeline.runtime import Heartbeat, connect, join, limits
 from pipeline.schema import RolloutGroup, RunFinished, ScoredGroup
 from workers.rewards import RewardError, RewardFn, call_reward, load_reward
 
@@ -163,7 +163,8 @@ class Scorer:
         except asyncio.CancelledError:
             pass
         finally:
-            watcher.cancel()
+            stop.set()
+            await join(watcher, self.cfg.bus.block_ms / 1000 + 5)
             await hb.stop()
             await bus.close()
             log.info("scorer %s stopped: %s", self.wid, self.counts)

@@ -38,7 +38,7 @@ def test_every_shipped_example_parses(path: Path) -> None:
 def test_copy_example_values_are_read_not_defaulted() -> None:
     cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "copy.toml")
     assert cfg.run.name == "copy"
-    assert cfg.trainer.max_steps == 400
+    assert cfg.trainer.max_steps == 6000 and cfg.up.generators == 2
     assert [(r.fn, r.weight) for r in cfg.scoring.rewards] == [
         ("workers.rewards:copy_reward", 1.0), ("workers.rewards:exact_match", 0.0)]
 
