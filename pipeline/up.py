@@ -292,6 +292,8 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *, fresh: bool =
         for c in failed:
             print(f"\n{c.name} exited with {c.proc.returncode}; last lines of {c.log}:\n"
                   f"{c.tail()}", file=sys.stderr)
+        if reason == "interrupted":
+            return 130
         done = reason in ("finished", "max_time_s") or reason.startswith("held-out")
         return 0 if ok and not failed and done else 1
     finally:
