@@ -19,9 +19,16 @@ if TYPE_CHECKING:
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
-    from pipeline.up import read_jsonl
-
-    return read_jsonl(path)
+    """Rows of a JSONL file written by a role; a torn last line (killed writer) is skipped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def summary_dict(cfg: Config, sup: Supervisor, snap: dict[str, Any],

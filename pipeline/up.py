@@ -160,18 +160,6 @@ class Supervisor:
         return (last.reward - ref.reward) / dn, (last.exact - ref.exact) / dn
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
     tr = next((w for wid, w in snap["workers"].items() if wid.startswith("trainer/")), {})
     ev = next((w for wid, w in snap["workers"].items() if wid.startswith("evaluator/")), {})

@@ -1,6 +1,6 @@
 """Shared fixtures: one real redis-server per test session, on a free loopback port.
 
-The server is started by the session (never 0.0.0.0, no persistence unless a test asks)
+The server is started by the session (loopback only, no persistence unless a test asks)
 and stopped by PID at the end; each test gets its own run name, so keys never collide.
 """
 
