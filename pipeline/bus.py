@@ -32,6 +32,7 @@ from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipeline.codec import FIELD
 from pipeline.keys import RETIRE_REASONS, Keys
 
 log = logging.getLogger("sluice.bus")
@@ -260,8 +261,6 @@ class Bus:
                       payload: bytes) -> str | None:
         """Ack ``entry_id`` on ``src`` and append ``payload`` to ``dst``, atomically; the
         append happens only if this ack removed a pending entry. Returns the new id."""
-        from pipeline.codec import FIELD
-
         new_id = await self._handoff(keys=[src, dst], args=[group, entry_id, FIELD, payload])
         return _s(new_id) if new_id else None
 
@@ -287,8 +286,6 @@ class Bus:
 
     async def emit(self, payload: bytes) -> str:
         """Append an admitted group to ``rollouts`` (and count it out of ``generating``)."""
-        from pipeline.codec import FIELD
-
         return _s(await self._emit(keys=[self.keys.rollouts, self.keys.state],
                                    args=[FIELD, payload]))
 
@@ -300,8 +297,6 @@ class Bus:
         return {_s(k): int(v) for k, v in raw.items()}
 
     async def xadd(self, stream: str, payload: bytes, *, maxlen: int | None = None) -> str:
-        from pipeline.codec import FIELD
-
         return _s(await self.r.xadd(stream, {FIELD: payload}, maxlen=maxlen, approximate=True))
 
     async def heartbeat(self, wid: str, info: dict[str, Any]) -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.model import model_state_for_publish
+
 
 @dataclass
 class TrainerState:
@@ -38,8 +40,7 @@ class Checkpointer:
         tmp = self.root / f".tmp-step-{state.step:08d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        save_file(weights, str(tmp / "model.safetensors"))
+        save_file(model_state_for_publish(model), str(tmp / "model.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "meta.json").write_text(json.dumps(state.__dict__))
         if final.exists():
