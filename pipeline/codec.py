@@ -46,7 +46,7 @@ def _arr(a: np.ndarray, dtype: np.dtype) -> bytes:
 
 
 def _rollout_map(r: Rollout) -> dict[str, Any]:
-    return {
+    m = {
         "ids": _arr(r.completion_ids, _I32),
         "lp": _arr(r.logprobs, _F32),
         "ver": _arr(r.versions, _I32),
@@ -54,6 +54,10 @@ def _rollout_map(r: Rollout) -> dict[str, Any]:
         "fin": r.finish_reason,
         "text": r.text,
     }
+    if r.candidate_ids is not None and r.candidate_counts is not None:
+        m["cand"] = _arr(r.candidate_ids, _I32)
+        m["ncand"] = _arr(r.candidate_counts, _I32)
+    return m
 
 
 def _group_map(g: RolloutGroup) -> dict[str, Any]:
@@ -167,6 +171,7 @@ def _decode_rollout(m: Any, where: str, limits: Limits) -> Rollout:
         raise DecodeError(f"{where}.mask: values must be 0 or 1")
     if len(lp) and lp.max() > 1e-3:
         raise DecodeError(f"{where}.lp: a log-probability above 0")
+    cand, ncand = _candidates(m, ids, where, limits)
     return Rollout(
         completion_ids=ids,
         logprobs=lp,
@@ -174,7 +179,29 @@ def _decode_rollout(m: Any, where: str, limits: Limits) -> Rollout:
         mask=mask,
         finish_reason=_get(m, "fin", str, where),
         text=_get(m, "text", str, where),
+        candidate_ids=cand,
+        candidate_counts=ncand,
     )
+
+
+def _candidates(m: dict[str, Any], ids: np.ndarray, where: str,
+                limits: Limits) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Optional per-token candidate sets; each known set must contain its sampled id."""
+    if "cand" not in m and "ncand" not in m:
+        return None, None
+    cand = _token_ids(m, "cand", where, limits)
+    ncand = _array(m, "ncand", _I32, where, limits)
+    if len(ncand) != len(ids):
+        raise DecodeError(f"{where}.ncand: {len(ncand)} counts for {len(ids)} tokens")
+    if len(ncand) and ncand.min() < 0:
+        raise DecodeError(f"{where}.ncand: negative count")
+    if int(ncand.sum()) != len(cand):
+        raise DecodeError(f"{where}.cand: {len(cand)} ids but counts sum to {int(ncand.sum())}")
+    ends = np.cumsum(ncand)
+    for t, (n, end) in enumerate(zip(ncand, ends, strict=True)):
+        if n and ids[t] not in cand[end - n:end]:
+            raise DecodeError(f"{where}.cand: token {t} (id {ids[t]}) is not in its candidate set")
+    return cand, ncand
 
 
 def _decode_prompt(v: Any, where: str) -> dict[str, Any]:

@@ -108,6 +108,10 @@ class ScoringConfig(_Section):
     """Reward functions (TRL signature) and weights; the total is the weighted sum."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """How advantages are scaled (TRL's scale_rewards); `batch` is per scorer read."""
+    std_ddof: int = Field(1, ge=0, le=1)
+    """Delta degrees of freedom of the reward std: 1 = unbiased (TRL), 0 = population."""
+    std_eps: float = Field(1e-4, ge=0)
+    """Added to the std before dividing (TRL: 1e-4)."""
     reward_timeout_s: float = Field(30.0, gt=0)
     """Per call of a reward function."""
     read_count: int = Field(8, ge=1)
@@ -150,6 +154,12 @@ class TrainerConfig(_Section):
     (exploration) and lets the IS correction account for the difference."""
     beta: float = Field(0.0, ge=0)
     """KL coefficient to the frozen initial model (k3 estimator); 0 = no reference."""
+    kl_bias_correction: bool = True
+    """Multiply the KL term by the policy ratio (TRL's use_bias_correction_kl): the
+    unbiased reverse-KL gradient. Only matters when beta > 0."""
+    num_iterations: int = Field(1, ge=1, le=64)
+    """Optimizer passes over each batch (TRL's num_iterations, μ); old logprobs are
+    computed once per batch, before the first pass."""
     weight_sync_steps: int = Field(1, ge=1)
     """Publish and announce weights every this many optimizer steps."""
     save_steps: int = Field(50, ge=1)

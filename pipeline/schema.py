@@ -18,7 +18,14 @@ PromptValue = str | int | float | bool
 
 @dataclass
 class Rollout:
-    """One completion. Invariant: all four arrays have the same length."""
+    """One completion. Invariant: all four arrays have the same length.
+
+    ``candidate_ids``/``candidate_counts`` (both or neither) record, when the sampler
+    truncated its distribution (top-k / top-p), the token ids it could have drawn at each
+    position: token ``t``'s set is the next ``candidate_counts[t]`` entries of
+    ``candidate_ids`` (0 = unknown at that position). The trainer renormalises its
+    logprobs over the same set so the importance ratio compares like with like.
+    """
 
     completion_ids: np.ndarray  # int32 [T]
     logprobs: np.ndarray  # float32 [T], behaviour policy, as sampled
@@ -26,6 +33,8 @@ class Rollout:
     mask: np.ndarray  # uint8 [T], 1 = policy token (trained), 0 = inserted context
     finish_reason: str
     text: str
+    candidate_ids: np.ndarray | None = None  # int32 [sum(candidate_counts)]
+    candidate_counts: np.ndarray | None = None  # int32 [T]
 
     @property
     def min_version(self) -> int:

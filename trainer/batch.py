@@ -4,6 +4,10 @@ Row ``i`` is ``prompt_ids + completion_ids`` of one rollout, right-padded. Targe
 aligned so that ``logits[:, t]`` predicts ``input_ids[:, t + 1]``; the completion span of
 each row is cut out into ``[B, T]`` tensors (T = longest completion) holding the sampled
 ids, the behaviour logprobs and the loss mask (``rollout.mask`` and not padding).
+
+Candidate sets (top-k / top-p samplers) become ``candidates [B, T, K]`` padded with -1;
+a row whose engine reported none is all -1 (full-vocabulary logprobs) and is counted in
+``candidates_missing`` so the trainer can say so.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.schema import ScoredGroup
+from pipeline.schema import Rollout, ScoredGroup
 
 
 @dataclass
@@ -26,6 +30,8 @@ class Batch:
     mask: torch.Tensor  # float32 [B, T]
     advantages: torch.Tensor  # float32 [B]
     versions: torch.Tensor  # int64 [B, T]
+    candidates: torch.Tensor | None = None  # int64 [B, T, K], -1 = padding / unknown
+    candidates_missing: int = 0  # rows without candidate sets while others have them
 
     @property
     def num_tokens(self) -> int:
@@ -59,8 +65,25 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> Batch:
         mask[i, :n_c] = r.mask
         ver[i, :n_c] = r.versions
         adv[i] = a
+    cands, missing = _candidates([r for _, r, _ in rows], comp_len)
     return Batch(*(torch.from_numpy(x) for x in (input_ids, attn, start, comp, blp, mask)),
-                 advantages=torch.from_numpy(adv), versions=torch.from_numpy(ver))
+                 advantages=torch.from_numpy(adv), versions=torch.from_numpy(ver),
+                 candidates=cands, candidates_missing=missing)
+
+
+def _candidates(rollouts: list[Rollout], comp_len: int) -> tuple[torch.Tensor | None, int]:
+    with_sets = [r for r in rollouts if r.candidate_counts is not None]
+    if not with_sets:
+        return None, 0
+    k = max(int(r.candidate_counts.max(initial=0)) for r in with_sets)  # type: ignore[union-attr]
+    out = np.full((len(rollouts), comp_len, max(k, 1)), -1, dtype=np.int64)
+    for i, r in enumerate(rollouts):
+        if r.candidate_counts is None or r.candidate_ids is None:
+            continue
+        ends = np.cumsum(r.candidate_counts)
+        for t, (n, end) in enumerate(zip(r.candidate_counts, ends, strict=True)):
+            out[i, t, :n] = r.candidate_ids[end - n:end]
+    return torch.from_numpy(out), len(rollouts) - len(with_sets)
 
 
 def completion_logits(logits: torch.Tensor, batch: Batch) -> torch.Tensor:

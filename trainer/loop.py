@@ -8,7 +8,8 @@ Per step:
    is more than ``max_staleness`` versions behind the published version is retired
    ``stale``; a ``group_id`` already trained is acked without retiring (a duplicate);
 2. assert that no stale sample slipped through (checked twice, on read and here);
-3. forward, GRPO loss (`trainer.loss`), backward, clip, AdamW step;
+3. forward, GRPO loss, backward, clip, AdamW step, ``num_iterations`` times
+   (`trainer.policy`);
 4. every ``weight_sync_steps`` publish weights and announce them — BEFORE retiring, so
    the gate reopens only once the new version is visible to generators;
 5. ack + retire the step's groups as ``trained`` (one script: at most once);
@@ -40,9 +41,10 @@ from pipeline.model import load_model
 from pipeline.runtime import Heartbeat, connect, limits, set_threads
 from pipeline.schema import ScoredGroup
 from pipeline.weights import FileWeightStore
-from trainer.batch import Batch, build_batch, completion_logits
+from trainer.batch import Batch, build_batch
 from trainer.checkpoint import Checkpointer, TrainerState
-from trainer.loss import LossConfig, entropy_from_logits, grpo_loss, selective_log_softmax
+from trainer.loss import LossConfig
+from trainer.policy import StepSettings, optimize
 
 log = logging.getLogger("sluice.trainer")
 
@@ -65,11 +67,18 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.tc.lr,
                                            betas=self.tc.adam_betas,
                                            weight_decay=self.tc.weight_decay)
-        self.loss_cfg = LossConfig(
-            loss_type=self.tc.loss_type, epsilon=self.tc.epsilon,
-            epsilon_high=self.tc.epsilon_high, is_mode=self.tc.is_mode,
-            is_clip_min=self.tc.is_clip_min, is_clip_max=self.tc.is_clip_max,
-            beta=self.tc.beta, max_completion_length=cfg.generation.max_new_tokens)
+        self.step_settings = StepSettings(
+            loss=LossConfig(
+                loss_type=self.tc.loss_type, epsilon=self.tc.epsilon,
+                epsilon_high=self.tc.epsilon_high, is_mode=self.tc.is_mode,
+                is_clip_min=self.tc.is_clip_min, is_clip_max=self.tc.is_clip_max,
+                beta=self.tc.beta, kl_bias_correction=self.tc.kl_bias_correction,
+                max_completion_length=cfg.generation.max_new_tokens),
+            temperature=self.tc.temperature or cfg.generation.temperature,
+            num_iterations=self.tc.num_iterations, max_grad_norm=self.tc.max_grad_norm)
+        gen = cfg.generation
+        self.expects_candidates = gen.top_k > 0 or gen.top_p < 1.0
+        self.warned_candidates = False
         out = cfg.output_path
         self.store = FileWeightStore(out / "weights", keep=self.tc.max_staleness + 2)
         self.ckpt = Checkpointer(out / "checkpoints", keep=self.tc.keep_checkpoints)
@@ -138,39 +147,34 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
 
-    def logps_of(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        comp = completion_logits(logits.float(), batch)
-        temperature = self.tc.temperature or self.cfg.generation.temperature
-        logps = selective_log_softmax(comp, batch.completion_ids, temperature)
-        return logps, comp
-
     def train_step(self, groups: list[ScoredGroup]) -> dict[str, float]:
         stale = [g.group.group_id for g in groups if self.is_stale(g)]
         if stale:
             raise StaleSampleError(f"admitted stale training data: {stale[:5]}")
         batch = build_batch(groups, self.pad_id)
-        logps, comp_logits = self.logps_of(self.model, batch)
-        ref = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref, _ = self.logps_of(self.ref_model, batch)
-        loss, metrics = grpo_loss(logps, None, batch.behaviour_logps, batch.advantages,
-                                  batch.mask, self.loss_cfg, ref_logps=ref)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.max_grad_norm)
-        self.optimizer.step()
-        with torch.no_grad():
-            ent = entropy_from_logits(comp_logits.detach())
-            m = batch.mask
-            entropy = float((ent * m).sum() / m.sum().clamp(min=1))
-            age = (self.state.version - batch.versions).float()
-        return {"loss": float(loss.item()), "grad_norm": float(grad_norm), "entropy": entropy,
-                "tokens": batch.num_tokens,
+        missing = self.candidates_missing(batch)
+        metrics = optimize(self.model, self.optimizer, batch, self.step_settings,
+                           self.ref_model)
+        m = batch.mask
+        age = (self.state.version - batch.versions).float()
+        return {"tokens": batch.num_tokens,
                 "staleness_mean": float((age * m).sum() / m.sum().clamp(min=1)),
                 "staleness_max": float(age[m > 0].max()) if m.sum() > 0 else 0.0,
-                **metrics}
+                "candidates/missing_frac": missing, **metrics}
+
+    def candidates_missing(self, batch: Batch) -> float:
+        """Fraction of rows trained over the full vocabulary although the sampler truncated
+        (an engine that cannot report candidate sets); warns once per process."""
+        if not self.expects_candidates:
+            return 0.0
+        n_rows = batch.completion_ids.shape[0]
+        missing = n_rows if batch.candidates is None else batch.candidates_missing
+        if missing and not self.warned_candidates:
+            self.warned_candidates = True
+            log.warning("generation uses top-k/top-p but %d of %d rollouts carry no candidate "
+                        "sets: their IS ratios compare a truncated sampler with a full-vocab "
+                        "trainer (biased); see metric candidates/missing_frac", missing, n_rows)
+        return missing / max(n_rows, 1)
 
     async def publish(self, bus: Bus) -> None:
         msg = self.store.publish(self.model.state_dict(), version=self.state.version,

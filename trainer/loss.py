@@ -1,6 +1,7 @@
 """GRPO-family policy loss as pure functions (tensors in, loss + metrics out).
 
-This is TRL ``GRPOTrainer._compute_loss`` with ``importance_sampling_level="token"``:
+This is TRL 1.16 ``GRPOTrainer._compute_loss`` with ``importance_sampling_level="token"``
+(``tests/unit/test_vs_trl.py`` checks loss and gradients against TRL's own code to 1e-5):
 
 * ``coef_1 = exp(logps - old)``, ``coef_2 = clamp(coef_1, 1 - eps_low, 1 + eps_high)``
   (DAPO's asymmetric clip when ``epsilon_high`` is set), and
@@ -9,7 +10,10 @@ This is TRL ``GRPOTrainer._compute_loss`` with ``importance_sampling_level="toke
   produced ``old`` and the behaviour policy that sampled the tokens (TRL's
   ``vllm_importance_sampling_correction``; here the sampler is any stale generator), then
   ``beta * k3`` KL to a reference (``exp(ref - logps) - (ref - logps) - 1``) is added,
-  not importance weighted, as in TRL.
+  not importance weighted, as in TRL. With ``kl_bias_correction`` (TRL's
+  ``use_bias_correction_kl``, default True in both) the KL term is multiplied by
+  ``coef_1``: value unchanged on-policy, but its gradient gains ``kl * grad(logps)``,
+  which makes it the unbiased reverse-KL gradient (DeepSeek-V3.2).
 * Normalisation by ``loss_type``: ``grpo`` = mean over rows of (row masked sum / row
   tokens); ``bnpo`` = masked sum / batch tokens; ``dr_grpo`` = masked sum /
   (B * max_completion_length); ``dapo`` (default) = masked sum / ``num_items_in_batch``
@@ -22,8 +26,9 @@ Where it differs from TRL:
 * The importance weights are computed here from ``old`` vs ``behaviour`` on every call
   instead of once at generation time (same values). ``old_logps=None`` means
   ``logps.detach()`` (TRL with ``num_iterations=1``), so ``coef_1 == 1`` with gradient 1.
-* ``is_clip_min`` also applies to the mask modes (TRL has only a cap); truncate modes
-  only cap at ``is_clip_max``. Importance weights are 0 where ``mask`` is 0.
+* ``is_clip_min`` defaults to 0 (TRL: None); both mean "no lower bound" because ratios
+  are positive. Importance weights are 0 where ``mask`` is 0; a NaN behaviour logprob
+  (an engine that could not report one) gives weight 1, as in TRL.
 * No GSPO sequence-level ratio, no ``delta`` two-sided clip, no entropy masking, no
   Liger kernel. Inputs at masked positions are replaced by 0 before any maths, so
   padding garbage (even inf/NaN) cannot leak into the loss or the gradient.
@@ -49,6 +54,7 @@ __all__ = [
     "IsMode",
     "LossConfig",
     "LossType",
+    "candidate_log_softmax",
     "entropy_from_logits",
     "grpo_loss",
     "importance_weights",
@@ -70,10 +76,12 @@ class LossConfig:
     """Upper clip: ratios above ``1 + epsilon_high`` are clipped (for A > 0); None = epsilon."""
     is_mode: IsMode = "token_truncate"
     is_clip_min: float = 0.0
-    """Mask modes zero weights below this; truncate modes ignore it."""
+    """Mask modes zero weights below this; truncate modes raise them to it."""
     is_clip_max: float = 3.0
     beta: float = 0.0
     """k3 KL coefficient; > 0 requires ``ref_logps``."""
+    kl_bias_correction: bool = True
+    """Multiply the KL term by ``coef_1`` (TRL ``use_bias_correction_kl``)."""
     max_completion_length: int | None = None
     """Required by ``dr_grpo`` (its constant normaliser)."""
 
@@ -124,7 +132,7 @@ def importance_weights(
 
     Token modes use ``exp(old - behaviour)`` per token; sequence modes use
     ``exp(sum over masked tokens of (old - behaviour))`` per row, broadcast to the row.
-    ``*_truncate`` caps at ``clip_max``; ``*_mask`` keeps values in
+    ``*_truncate`` clamps to ``[clip_min, clip_max]``; ``*_mask`` keeps values in
     ``[clip_min, clip_max]`` (inclusive) and zeroes the rest; ``none`` is 1.
     Invariant: 0 wherever ``mask`` is 0.
     """
@@ -136,6 +144,7 @@ def importance_weights(
     dt = _compute_dtype(old_logps)
     with torch.no_grad():
         diff = torch.where(m, old_logps.detach().to(dt) - behaviour_logps.detach().to(dt), 0.0)
+        diff = torch.nan_to_num(diff, nan=0.0)  # unknown behaviour logprob: no correction
         if mode == "none":
             w = torch.ones_like(diff)
         else:
@@ -144,7 +153,7 @@ def importance_weights(
             else:
                 ratio = torch.exp(diff)
             if mode.endswith("truncate"):
-                w = ratio.clamp(max=clip_max)
+                w = ratio.clamp(min=clip_min, max=clip_max)
             else:
                 keep = (ratio >= clip_min) & (ratio <= clip_max)
                 w = torch.where(keep, ratio, 0.0)
@@ -192,7 +201,7 @@ def grpo_loss(
     # Zero masked positions first: padding values never reach exp() or the gradient.
     lp = torch.where(m, logps.to(dt), 0.0)
     old = lp.detach() if old_logps is None else torch.where(m, old_logps.detach().to(dt), 0.0)
-    beh = torch.where(m, behaviour_logps.detach().to(dt), 0.0)
+    beh = torch.where(m, behaviour_logps.detach().to(dt), 0.0)  # may hold NaN (unknown)
     adv = advantages.detach().to(dt).unsqueeze(1)
 
     coef_1 = torch.exp(lp - old)
@@ -207,7 +216,8 @@ def grpo_loss(
         ref = torch.where(m, ref_logps.detach().to(dt), 0.0)
         delta = ref - lp
         per_token_kl = torch.exp(delta) - delta - 1.0
-        per_token = per_token + cfg.beta * per_token_kl
+        kl_term = per_token_kl * coef_1 if cfg.kl_bias_correction else per_token_kl
+        per_token = per_token + cfg.beta * kl_term
 
     masked = per_token * mf
     n_tokens = mf.sum().clamp(min=1.0)
@@ -229,6 +239,7 @@ def grpo_loss(
         low = (coef_1 < 1.0 - cfg.eps_low) & (adv < 0)
         high = (coef_1 > 1.0 + cfg.eps_high) & (adv > 0)
         raw = torch.exp(old - beh)[m]
+        raw = raw[~torch.isnan(raw)]
         empty = raw.numel() == 0
         metrics = {
             "clip_ratio/low_mean": mmean(low),
@@ -237,7 +248,7 @@ def grpo_loss(
             "is_ratio/min": math.nan if empty else float(raw.min()),
             "is_ratio/mean": math.nan if empty else float(raw.mean()),
             "is_ratio/max": math.nan if empty else float(raw.max()),
-            "logprob_diff/mean_abs": mmean((old - beh).abs()),
+            "logprob_diff/mean_abs": mmean(torch.nan_to_num((old - beh).abs(), nan=0.0)),
             "kl": 0.0 if per_token_kl is None else mmean(per_token_kl),
         }
     return loss, metrics
@@ -279,3 +290,38 @@ def selective_log_softmax(logits: Tensor, ids: Tensor, temperature: float = 1.0)
         row_logps = F.log_softmax(row_logits, dim=-1)
         rows.append(row_logps.gather(dim=-1, index=row_ids.unsqueeze(-1)).squeeze(-1))
     return torch.stack(rows)
+
+
+def candidate_log_softmax(
+    logits: Tensor,
+    ids: Tensor,
+    candidates: Tensor,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Log-probability of ``ids`` renormalised over each position's candidate set.
+
+    ``logits`` ``[B, T, V]``; ``ids`` ``[B, T]``; ``candidates`` ``[B, T, K]`` token ids
+    the sampler could have drawn at that position (after top-k / top-p), padded with -1.
+    A position whose row is all -1 (set unknown) gets the full-vocabulary log-softmax.
+    Returns ``logits[id]/T - logsumexp(logits[candidates]/T)``: the trainer's logprob of
+    the same truncated distribution the sampler drew from, so ``exp(trainer - behaviour)``
+    is an unbiased importance ratio. Invariant: the sampled id must be in its set (the
+    engine records the set it drew from); if it is not, the result is ``-inf`` there.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if candidates.dim() != 3 or candidates.shape[:2] != ids.shape:
+        raise ValueError(f"candidates must be [B, T, K] matching ids {tuple(ids.shape)}, "
+                         f"got {tuple(candidates.shape)}")
+    scaled = logits / temperature if temperature != 1.0 else logits
+    scaled = scaled.to(_compute_dtype(scaled))
+    full = selective_log_softmax(scaled, ids)
+    valid = candidates >= 0
+    known = valid.any(dim=-1)
+    picked = torch.gather(scaled, -1, candidates.clamp(min=0).long())
+    picked = picked.masked_fill(~valid, -math.inf)
+    lse = torch.logsumexp(picked, dim=-1)
+    member = ((candidates == ids.unsqueeze(-1)) & valid).any(dim=-1)
+    own = torch.gather(scaled, -1, ids.long().unsqueeze(-1)).squeeze(-1)
+    renorm = torch.where(member, own - torch.where(known, lse, 0.0), -math.inf)
+    return torch.where(known, renorm, full)

@@ -51,6 +51,8 @@ def to_rollout(c: Completion, tokenizer: object) -> Rollout:
         mask=np.ones(len(c.token_ids), dtype=np.uint8),
         finish_reason=c.finish_reason,
         text=tokenizer.decode(c.token_ids, skip_special_tokens=True),  # type: ignore[attr-defined]
+        candidate_ids=c.candidate_ids,
+        candidate_counts=c.candidate_counts,
     )
 
 

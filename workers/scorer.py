@@ -21,7 +21,6 @@ from pipeline import control
 from pipeline.advantages import (
     batch_advantages,
     combine_rewards,
-    group_advantages,
     is_zero_variance,
 )
 from pipeline.bus import Bus, Entry, worker_id
@@ -103,11 +102,9 @@ class Scorer:
             scored.append((e, g, parts, total))
         if not scored:
             return
-        if self.cfg.scoring.scale_rewards == "batch":
-            advs = batch_advantages([t for *_, t in scored], scale_rewards="batch")
-        else:
-            advs = [group_advantages(t, scale_rewards=self.cfg.scoring.scale_rewards)
-                    for *_, t in scored]
+        sc = self.cfg.scoring
+        advs = batch_advantages([t for *_, t in scored], scale_rewards=sc.scale_rewards,
+                                eps=sc.std_eps, ddof=sc.std_ddof)
         for (e, g, parts, total), adv in zip(scored, advs, strict=True):
             self.reward_sum += float(total.sum())
             self.reward_n += len(total)

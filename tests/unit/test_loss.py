@@ -139,7 +139,7 @@ def test_clip_symmetric_when_epsilon_high_is_none() -> None:
 RAW = [[0.5, 2.0, 4.0], [1.0, 0.8, 8.0]]
 IS_MASK = [[1, 1, 1], [1, 1, 0]]
 IS_CASES = [
-    ("token_truncate", [[0.5, 2.0, 3.0], [1.0, 0.8, 0.0]]),  # cap 3; min unused
+    ("token_truncate", [[0.6, 2.0, 3.0], [1.0, 0.8, 0.0]]),  # clamped to [0.6, 3] (TRL)
     ("token_mask", [[0.0, 2.0, 0.0], [1.0, 0.8, 0.0]]),  # 0.5 < 0.6 and 4 > 3 zeroed
     # rows: exp(sum of masked diffs) = 0.5*2*4 = 4 and 1*0.8 = 0.8 (the masked 8 excluded)
     ("sequence_truncate", [[3.0, 3.0, 3.0], [0.8, 0.8, 0.0]]),
@@ -176,8 +176,8 @@ def test_importance_weights_sequence_mask_below_min_and_inclusive_bounds() -> No
 # Loss with IS: logps = 0 (leaf), old=None, behaviour = -log([[2, .5, 4], [1, 1, 1]]),
 # A = [1, -0.5], mask IS_MASK (5 tokens); per token -A * w.
 IS_LOSS_CASES = [
-    # w [[2, .5, 3], [1, 1, 0]]: (-2 - .5 - 3 + .5 + .5) / 5 = -0.9
-    ("token_truncate", -0.9),
+    # w [[2, .6, 3], [1, 1, 0]] (.5 raised to clip_min): (-2 - .6 - 3 + .5 + .5) / 5
+    ("token_truncate", -0.92),
     # w [[0, 2, 0], [1, 1, 0]]: (-2 + 1) / 5 = -0.2
     ("token_mask", -0.2),
     # row0 exp(ln2 - ln2 + ln4) = 4 -> 3 each: (-9 + 1) / 5 = -1.6
@@ -227,23 +227,26 @@ def test_kl_term_value_grad_and_metric() -> None:
     # A = 0, so only beta * k3 remains. ref - logps: ln2 at (0,0), ln0.5 at (1,1), else 0.
     # k3(ln2) = 2 - ln2 - 1 = 0.3068528; k3(ln.5) = .5 + ln2 - 1 = 0.1931472; sum 0.5.
     # dapo over 6 tokens: 0.1 * 0.5 / 6 = 0.0083333; kl metric 0.5 / 6 = 0.0833333.
-    # d k3 / d logps = 1 - exp(ref - logps): -1 at (0,0), +0.5 at (1,1).
-    logps = torch.zeros(2, 3, requires_grad=True)
+    # d k3 / d logps = 1 - exp(ref - logps): -1 at (0,0), +0.5 at (1,1). With the bias
+    # correction the term is k3 * exp(logps - sg(logps)), whose gradient adds k3 itself:
+    # -1 + 0.3068528 = -ln2 at (0,0) and 0.5 + 0.1931472 = ln2 at (1,1).
     ref = ln([[2.0, 1.0, 1.0], [1.0, 0.5, 1.0]])
-    loss, m = grpo_loss(
-        logps,
-        None,
-        torch.zeros(2, 3),
-        t([0.0, 0.0]),
-        torch.ones(2, 3),
-        LossConfig(beta=0.1),
-        ref_logps=ref,
-    )
-    close(loss, 0.1 * 0.5 / 6)
-    assert m["kl"] == pytest.approx(0.5 / 6, rel=1e-5)
-    loss.backward()
-    assert logps.grad is not None
-    close(logps.grad, [[-0.1 / 6, 0.0, 0.0], [0.0, 0.05 / 6, 0.0]])
+    for corrected, g00, g11 in ((False, -1.0, 0.5), (True, -LN2, LN2)):
+        logps = torch.zeros(2, 3, requires_grad=True)
+        loss, m = grpo_loss(
+            logps,
+            None,
+            torch.zeros(2, 3),
+            t([0.0, 0.0]),
+            torch.ones(2, 3),
+            LossConfig(beta=0.1, kl_bias_correction=corrected),
+            ref_logps=ref,
+        )
+        close(loss, 0.1 * 0.5 / 6)
+        assert m["kl"] == pytest.approx(0.5 / 6, rel=1e-5)
+        loss.backward()
+        assert logps.grad is not None
+        close(logps.grad, [[0.1 * g00 / 6, 0.0, 0.0], [0.0, 0.1 * g11 / 6, 0.0]])
 
 
 def test_kl_is_not_importance_weighted_and_off_when_beta_zero() -> None:

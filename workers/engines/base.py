@@ -39,6 +39,11 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
+    @property
+    def truncates(self) -> bool:
+        """True when top-k / top-p cut the distribution (candidate sets matter)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
 
 @dataclass
 class Completion:
@@ -50,12 +55,17 @@ class Completion:
     versions: int32 [T]; weight version whose forward produced each token's logits;
         non-decreasing along the sequence.
     finish_reason: "stop" (eos sampled) or "length" (hit max_new_tokens).
+    candidate_ids / candidate_counts: when top-k / top-p truncated the distribution, the
+        ids each token could have been drawn from (flat int32, and int32 [T] set sizes);
+        None when nothing was truncated or the engine cannot tell.
     """
 
     token_ids: np.ndarray
     logprobs: np.ndarray
     versions: np.ndarray
     finish_reason: str
+    candidate_ids: np.ndarray | None = None
+    candidate_counts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])

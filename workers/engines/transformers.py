@@ -172,6 +172,7 @@ class TransformersEngine:
         step_tokens: list[torch.Tensor] = []
         step_logprobs: list[torch.Tensor] = []
         step_versions: list[int] = []
+        step_cands: list[torch.Tensor] = []  # bool [B, V] per step, only if truncating
         alive_before: list[torch.Tensor] = []
         next_pos = lens.clone()
         for step in range(params.max_new_tokens):
@@ -180,6 +181,8 @@ class TransformersEngine:
                 tok = sample_tokens(lp, params, self._generator)
                 tok_lp = lp.gather(-1, tok[:, None]).squeeze(-1)
                 tok = tok.masked_fill(finished, self.pad_id)
+            if params.truncates:
+                step_cands.append(torch.isfinite(lp))
             alive_before.append(~finished)
             step_tokens.append(tok)
             step_logprobs.append(tok_lp)
@@ -195,7 +198,8 @@ class TransformersEngine:
                 logits = self._forward(tok[:, None], attn, next_pos[:, None], cache)
             next_pos = next_pos + 1
         return self._pack(
-            prompts, n, step_tokens, step_logprobs, step_versions, alive_before, finished
+            prompts, n, step_tokens, step_logprobs, step_versions, alive_before, finished,
+            step_cands,
         )
 
     def _pack(
@@ -207,6 +211,7 @@ class TransformersEngine:
         step_versions: list[int],
         alive_before: list[torch.Tensor],
         finished: torch.Tensor,
+        step_cands: list[torch.Tensor] | None = None,
     ) -> list[list[Completion]]:
         """Trim each row at its eos: a row's length is the number of steps it was alive."""
         bsz = len(prompts) * n
@@ -221,18 +226,26 @@ class TransformersEngine:
             lengths = np.zeros(bsz, np.int64)
         vers = np.asarray(step_versions, dtype=np.int32)
         fin = finished.cpu().numpy()
+        cands = torch.stack(step_cands, 1).cpu().numpy() if step_cands else None  # [B, S, V]
         out: list[list[Completion]] = []
         for p in range(len(prompts)):
             group: list[Completion] = []
             for j in range(n):
                 i = p * n + j
                 t = int(lengths[i])
+                cand_ids = cand_counts = None
+                if cands is not None:
+                    row = cands[i, :t]
+                    cand_ids = np.nonzero(row)[1].astype(np.int32)  # ordered by position
+                    cand_counts = row.sum(axis=1).astype(np.int32)
                 group.append(
                     Completion(
                         token_ids=toks[i, :t].copy(),
                         logprobs=lps[i, :t].copy(),
                         versions=vers[:t].copy(),
                         finish_reason="stop" if bool(fin[i]) else "length",
+                        candidate_ids=cand_ids,
+                        candidate_counts=cand_counts,
                     )
                 )
             out.append(group)
