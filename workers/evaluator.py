@@ -64,7 +64,8 @@ class Evaluator:
     async def run_once(self, version: int, step: int) -> None:
         res = await evaluate(self.engine, self.tokenizer, self.prompts,
                              self.cfg.generation.max_new_tokens)
-        self.last = {"version": version, "step": step, "t": time.time() - self.t0,
+        now = time.time()
+        self.last = {"version": version, "step": step, "t": now - self.t0, "ts": now,
                      "n": len(self.prompts), **res}
         with open(self.path, "a") as f:
             f.write(json.dumps(self.last) + "\n")

@@ -1,0 +1,150 @@
+"""TRL's GRPOTrainer on sluice's ``copy`` task: the baseline half of ``vs_trl.py``.
+
+Run by ``vs_trl.py`` in its own process; writes ``eval.jsonl`` rows in the evaluator's
+format (``t``, ``ts``, ``step``, ``samples``, ``exact_match``, ``reward``) and
+``profile.json`` (seconds in generation+scoring vs the rest of each step).
+
+Same model files, prompts, held-out set, reward and evaluation code as sluice; the
+hyperparameters come from the command line. Evaluation pauses TRL's clock (it would
+otherwise be charged to TRL's training time); sluice's evaluator runs concurrently on
+the same cores, so this favours TRL slightly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import torch
+from transformers import TrainerCallback
+
+from pipeline.model import load_model
+from workers.engines.transformers import TransformersEngine
+from workers.evaluator import evaluate
+from workers.rewards import match_reward
+from workers.tasks import make_task
+
+
+def copy_reward(prompts: list, completions: list, completion_ids: list, answer: list,
+                **_: Any) -> list[float | None]:
+    """sluice's copy reward under TRL's call convention (eos kept in completion_ids)."""
+    eos = copy_reward.eos_id  # type: ignore[attr-defined]
+    fin = ["stop" if ids and ids[-1] == eos else "length" for ids in completion_ids]
+    return match_reward([{"answer": a} for a in answer], completions, completion_ids,
+                        answer=answer, finish_reason=fin)
+
+
+class EvalClock(TrainerCallback):
+    """Greedy held-out eval every ``every_s`` of training time (clock paused while it
+    runs); stops training at ``target`` exact match or after ``budget_s``."""
+
+    def __init__(self, out: Path, heldout: list, tok: Any, model_dir: Path, max_new: int,
+                 every_s: float, budget_s: float, target: float, per_step: int) -> None:
+        self.out, self.heldout, self.tok, self.max_new = out, heldout, tok, max_new
+        self.every_s, self.budget_s, self.target = every_s, budget_s, target
+        self.per_step = per_step
+        self.eval_model, _ = load_model(model_dir)
+        self.engine = TransformersEngine(self.eval_model, tok)
+        self.t0 = self.paused = self.last_eval = 0.0
+
+    def clock(self) -> float:
+        return time.perf_counter() - self.t0 - self.paused
+
+    def run_eval(self, model: torch.nn.Module, step: int) -> float:
+        t_in = time.perf_counter()
+        t = self.clock()
+        with torch.no_grad():
+            self.eval_model.load_state_dict(model.state_dict())
+        res = asyncio.run(evaluate(self.engine, self.tok, self.heldout, self.max_new))
+        row = {"t": t, "ts": time.time(), "step": step, "samples": step * self.per_step, **res}
+        with open(self.out / "eval.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"trl t={t:6.1f}s step={step:5d} exact={res['exact_match']:.3f} "
+              f"reward={res['reward']:.3f}", flush=True)
+        self.paused += time.perf_counter() - t_in
+        self.last_eval = t
+        return res["exact_match"]
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.t0 = time.perf_counter()
+        self.run_eval(kw["model"], 0)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        t = self.clock()
+        if t - self.last_eval >= self.every_s or t >= self.budget_s:
+            exact = self.run_eval(kw["model"], state.global_step)
+            if exact >= self.target or t >= self.budget_s:
+                control.should_training_stop = True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--budget-s", type=float, default=600)
+    p.add_argument("--eval-every-s", type=float, default=10)
+    p.add_argument("--target", type=float, default=0.9)
+    p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--completions-per-step", type=int, default=64)
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--heldout", type=int, default=256)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "eval.jsonl").unlink(missing_ok=True)
+
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    task = make_task("copy", seed=a.seed, num_prompts=20_000)  # = task.num_prompts default
+    heldout = task.heldout(a.heldout)
+    rows = [task.prompt(i) for i in range(len(task))]
+    ds = datasets.Dataset.from_dict({"prompt": [r["text"] for r in rows],
+                                     "answer": [r["answer"] for r in rows]})
+    model, tok = load_model(a.model)
+    model.train()
+    copy_reward.eos_id = tok.eos_token_id  # type: ignore[attr-defined]
+    cfg = GRPOConfig(
+        output_dir=str(a.out / "trl"), per_device_train_batch_size=a.completions_per_step,
+        num_generations=a.num_generations, max_completion_length=a.max_new_tokens,
+        learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+        optim="adamw_torch", beta=a.beta, loss_type="dapo", epsilon=0.2, scale_rewards="group",
+        temperature=1.0, max_steps=10**6, save_strategy="no", logging_steps=10**6,
+        report_to="none", bf16=False, use_cpu=True, seed=a.seed, disable_tqdm=True)
+    clock = EvalClock(a.out, heldout, tok, a.model, a.max_new_tokens, a.eval_every_s,
+                      a.budget_s, a.target, a.completions_per_step)
+    tr = GRPOTrainer(model=model, reward_funcs=[copy_reward], args=cfg, train_dataset=ds,
+                     processing_class=tok, callbacks=[clock])
+    gen_s = [0.0]
+    inner = tr._generate_and_score_completions
+
+    def timed(inputs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return inner(inputs)
+        finally:
+            gen_s[0] += time.perf_counter() - t
+
+    tr._generate_and_score_completions = timed  # type: ignore[method-assign]
+    tr.train()
+    total = clock.clock()
+    (a.out / "profile.json").write_text(json.dumps({
+        "train_clock_s": total, "generate_and_score_s": gen_s[0],
+        "optimize_and_rest_s": total - gen_s[0], "steps": tr.state.global_step,
+        "completions_per_s": tr.state.global_step * a.completions_per_step / max(total, 1e-9),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
