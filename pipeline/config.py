@@ -85,7 +85,8 @@ class GenerationConfig(_Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trainer divides its logits by the same value."""
     top_k: int = Field(0, ge=0)
-    """0 = off."""
+    """0 = off. With top-k/top-p the engine records each token's candidate set and the
+    trainer renormalises its logprobs over it, so IS ratios stay unbiased."""
     top_p: float = Field(1.0, gt=0, le=1)
     """1.0 = off."""
     batch_groups: int = Field(8, ge=1)
@@ -145,7 +146,8 @@ class TrainerConfig(_Section):
     ] = "token_truncate"
     """Importance-sampling correction between trainer and behaviour logprobs."""
     is_clip_min: float = Field(0.0, ge=0)
-    """Lower bound of the IS ratio for the *_mask modes."""
+    """Lower bound of the IS ratio: *_mask modes zero ratios below it, *_truncate modes
+    raise them to it (TRL's vllm_importance_sampling_clip_min; 0 = none)."""
     is_clip_max: float = Field(3.0, gt=0)
     """Truncation (or upper mask bound) of the IS ratio."""
     temperature: float | None = Field(None, gt=0)
@@ -273,3 +275,28 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         return Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source)) from None
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, BaseModel):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.model_dump().items()) + "}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, str):
+        return f'"{v}"'
+    return repr(v)
+
+
+def reference_rows() -> list[str]:
+    """The README's configuration table (one markdown row per key, from the docstrings);
+    a unit test keeps the README equal to it."""
+    cfg = Config()
+    rows = []
+    for section, field in Config.model_fields.items():
+        sub = getattr(cfg, section)
+        for key, info in type(sub).model_fields.items():
+            doc = " ".join((info.description or "").split())
+            rows.append(f"| `{section}.{key}` | `{_toml_value(getattr(sub, key))}` | {doc} |")
+    return rows

@@ -33,6 +33,11 @@ Where it differs from TRL:
   Liger kernel. Inputs at masked positions are replaced by 0 before any maths, so
   padding garbage (even inf/NaN) cannot leak into the loss or the gradient.
 
+With top-k / top-p sampling the trainer's ``logps`` come from
+:func:`candidate_log_softmax` (renormalised over each token's recorded candidate set),
+so ``exp(old - behaviour)`` compares the same truncated distribution on both sides; TRL
+has no equivalent and compares a truncated sampler with a full-vocabulary trainer.
+
 Gradient flows only through ``logps``; ``old``, ``behaviour``, ``ref`` and advantages
 are detached. Maths runs in at least float32.
 """

@@ -198,3 +198,16 @@ def test_redis_url_falls_back_to_the_embedded_socket_under_output_dir(
 def test_configured_redis_url_is_used_as_is() -> None:
     cfg = load_config(None, ["bus.redis_url='redis://h:6380/0'"])
     assert cfg.redis_url == "redis://h:6380/0"
+
+
+def test_readme_configuration_table_is_current() -> None:
+    """The README's table is `reference_rows()` verbatim: a new or re-documented key
+    fails here until the README is regenerated."""
+    from pathlib import Path
+
+    from pipeline.config import reference_rows
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("| key | default | meaning |")
+    table = readme[start:readme.index("\n\n", start)].splitlines()[2:]
+    assert table == reference_rows()
