@@ -62,6 +62,8 @@ def run_trl(a: argparse.Namespace, model: Path, out: Path) -> dict[str, Any]:
            str(model), "--seed", str(a.seed), "--budget-s", str(a.budget_s),
            "--eval-every-s", str(a.eval_every_s), "--target", str(a.target),
            "--beta", str(a.beta)]
+    if not a.kl_bias_correction:
+        cmd.append("--no-kl-bias-correction")
     log = open(out.parent / f"{out.name}.log", "w")
     t = time.time()
     subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -90,8 +92,10 @@ def role_of(p: psutil.Process) -> str:
 def run_sluice(a: argparse.Namespace, model: Path, out: Path, staleness: int) -> dict[str, Any]:
     sets = {"run.output_dir": out, "model.path": model, "run.seed": a.seed,
             "trainer.beta": a.beta, "trainer.max_staleness": staleness,
+            "trainer.kl_bias_correction": str(a.kl_bias_correction).lower(),
             "trainer.max_steps": 10**6, "run.max_time_s": a.budget_s + 60,
             "up.stop_at_eval_exact": a.target, "up.plot": "false"}
+    sets.update(kv.split("=", 1) for kv in a.sluice_set)
     cmd = [str(ROOT / ".venv" / "bin" / "sluice"), "up", str(ROOT / "examples" / "copy.toml"),
            "--fresh", "--eval-every", str(a.eval_every_s)]
     for k, v in sets.items():
@@ -140,12 +144,32 @@ def rate(evals: list[dict[str, Any]]) -> float | None:
     return last["samples"] / last["t"] if last and last["t"] > 0 else None
 
 
-def first_reaching(evals: list[dict[str, Any]], thr: float) -> dict[str, Any] | None:
-    return next((e for e in evals if e["exact"] >= thr), None)
+def first_reaching(evals: list[dict[str, Any]], thr: float,
+                   key: str = "exact") -> dict[str, Any] | None:
+    return next((e for e in evals if e[key] >= thr), None)
 
 
 def fmt(x: float | None, spec: str = ".0f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def common_threshold(res: dict[str, dict[str, Any]], key: str, label: str) -> list[str]:
+    """Time and samples to the highest held-out ``key`` threshold that every run reached,
+    and their ratios to TRL: the comparison that exists even when 0.9 is out of reach."""
+    common = next((thr for thr in THRESHOLDS
+                   if all(first_reaching(r["evals"], thr, key) for r in res.values())), None)
+    if common is None:
+        return [f"no held-out {label} threshold reached by every run"]
+    lines = [f"highest held-out {label} reached by every run: {common}"]
+    base = first_reaching(res["trl"]["evals"], common, key) if "trl" in res else None
+    for n, r in res.items():
+        hit = first_reaching(r["evals"], common, key)
+        assert hit is not None
+        ratio = "" if base is None or n == "trl" else (
+            f"   / TRL: time {hit['t'] / max(base['t'], 1e-9):.2f}, "
+            f"samples {hit['samples'] / max(base['samples'], 1):.2f}")
+        lines.append(f"  {n:<6} t={hit['t']:7.1f}s  samples={hit['samples']:>8}{ratio}")
+    return lines
 
 
 def report(res: dict[str, dict[str, Any]], target: float) -> list[str]:
@@ -162,50 +186,33 @@ def report(res: dict[str, dict[str, Any]], target: float) -> list[str]:
             f"{ev[-1]['exact'] if ev else 0:>11.3f} {ev[-1]['reward'] if ev else 0:>12.3f} "
             f"{fmt(hit and hit['t']):>8} {fmt(hit and hit['samples']):>13} "
             f"{fmt(res[n]['completions_per_s'], '.0f'):>13}")
-    # the highest threshold every run reached: the comparison that exists
-    common = next((thr for thr in THRESHOLDS
-                   if all(first_reaching(r["evals"], thr) for r in res.values())), None)
-    lines.append("")
-    if common is None:
-        lines.append("no exact-match threshold reached by every run")
-    else:
-        lines.append(f"highest held-out exact match reached by every run: {common}")
-        for n in names:
-            hit = first_reaching(res[n]["evals"], common)
-            assert hit is not None
-            lines.append(f"  {n:<6} t={hit['t']:7.1f}s  samples={hit['samples']:>8}")
-    if "trl" in res and common is not None:
-        base = first_reaching(res["trl"]["evals"], common)
-        assert base is not None
-        lines.append(f"ratios at {common} exact (sluice / TRL; time < 1 = sooner):")
-        for n in names:
-            if n == "trl":
-                continue
-            hit = first_reaching(res[n]["evals"], common)
-            assert hit is not None
-            lines.append(f"  {n:<6} time {hit['t'] / max(base['t'], 1e-9):5.2f}   samples "
-                         f"{hit['samples'] / max(base['samples'], 1):5.2f}")
+    for key, label in (("exact", "exact match"), ("reward", "reward")):
+        lines += ["", *common_threshold(res, key, label)]
     if "trl" in res and res["trl"]["completions_per_s"]:
         lines.append("completions/s ratio (sluice / TRL): " + "  ".join(
             f"{n} {r['completions_per_s'] / res['trl']['completions_per_s']:.2f}"
             for n, r in res.items() if n != "trl" and r["completions_per_s"]))
     lines.append("")
-    lines.append("exact match at equal wall time (s):")
     marks = [60, 120, 180, 300, 420, 600, 900]
-    lines.append("  run   " + "".join(f"{m:>7}" for m in marks))
-    for n, r in res.items():
-        cells = [max((e["exact"] for e in r["evals"] if e["t"] <= m), default=None)
-                 if any(e["t"] >= m - 1 for e in r["evals"]) else None for m in marks]
-        lines.append(f"  {n:<6}" + "".join(f"{fmt(c, '.3f'):>7}" for c in cells))
-    lines.append("exact match at equal samples generated (thousands):")
     smarks = [20_000, 50_000, 100_000, 150_000, 200_000]
-    lines.append("  run   " + "".join(f"{m // 1000:>7}" for m in smarks))
-    for n, r in res.items():
-        cells = [max((e["exact"] for e in r["evals"] if e["samples"] <= m), default=None)
-                 if any(e["samples"] >= m for e in r["evals"]) else None for m in smarks]
-        lines.append(f"  {n:<6}" + "".join(f"{fmt(c, '.3f'):>7}" for c in cells))
+    for key, label in (("exact", "exact match"), ("reward", "reward")):
+        lines.append(f"held-out {label} (best so far) at equal wall time (s):")
+        lines.append("  run   " + "".join(f"{m:>7}" for m in marks))
+        for n, r in res.items():
+            ev = r["evals"]
+            cells = [max((e[key] for e in ev if e["t"] <= m), default=None)
+                     if any(e["t"] >= m - 1 for e in ev) else None for m in marks]
+            lines.append(f"  {n:<6}" + "".join(f"{fmt(c, '.3f'):>7}" for c in cells))
+        lines.append(f"held-out {label} (best so far) at equal samples generated (thousands):")
+        lines.append("  run   " + "".join(f"{m // 1000:>7}" for m in smarks))
+        for n, r in res.items():
+            ev = r["evals"]
+            cells = [max((e[key] for e in ev if e["samples"] <= m), default=None)
+                     if any(e["samples"] >= m for e in ev) else None for m in smarks]
+            lines.append(f"  {n:<6}" + "".join(f"{fmt(c, '.3f'):>7}" for c in cells))
     lines.append("")
-    lines.append("CPU seconds by part (profile):")
+    lines.append("where the time went (sluice: CPU seconds per role process; "
+                 "TRL: wall seconds per phase, each phase using every core):")
     for n, r in res.items():
         tot = sum(r["profile"].values()) or 1.0
         parts = sorted(r["profile"].items(), key=lambda kv: -kv[1])
@@ -223,8 +230,18 @@ def main() -> None:
     p.add_argument("--eval-every-s", type=float, default=10.0)
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--kl-bias-correction", action=argparse.BooleanOptionalAction,
+                   default=True, help="TRL's use_bias_correction_kl, on both sides")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sluice-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra `sluice up --set` for every sluice run (e.g. trainer.is_mode=...)")
+    p.add_argument("--report-only", action="store_true",
+                   help="print the report of an earlier run from OUT/results.json")
     a = p.parse_args()
+    if a.report_only:
+        saved = json.loads((a.out / "results.json").read_text())
+        print("\n".join(report(saved["runs"], float(saved["args"]["target"]))))
+        return
     a.out.mkdir(parents=True, exist_ok=True)
     model = a.out / "model"
     if not (model / "config.json").exists():
@@ -246,7 +263,8 @@ def main() -> None:
         ev = res[name]["evals"]
         print(f"   {len(ev)} evals, best exact {max((e['exact'] for e in ev), default=0):.3f}",
               flush=True)
-    print(f"\ncpus={os.cpu_count()} budget={a.budget_s:.0f}s beta={a.beta} target={a.target}")
+    print(f"\ncpus={os.cpu_count()} budget={a.budget_s:.0f}s beta={a.beta} "
+          f"kl_bias_correction={a.kl_bias_correction} target={a.target}")
     lines = report(res, a.target)
     print("\n".join(lines))
     (a.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in
