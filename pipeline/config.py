@@ -294,7 +294,7 @@ def reference_rows() -> list[str]:
     a unit test keeps the README equal to it."""
     cfg = Config()
     rows = []
-    for section, field in Config.model_fields.items():
+    for section in Config.model_fields:
         sub = getattr(cfg, section)
         for key, info in type(sub).model_fields.items():
             doc = " ".join((info.description or "").split())
