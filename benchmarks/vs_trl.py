@@ -70,8 +70,8 @@ def run_trl(a: argparse.Namespace, model: Path, out: Path) -> dict[str, Any]:
     log.close()
     prof = json.loads((out / "profile.json").read_text())
     evals = read_jsonl(out / "eval.jsonl")
-    return {"evals": [{"t": e["t"], "samples": e["samples"], "exact": e["exact_match"],
-                       "reward": e["reward"]} for e in evals],
+    return {"evals": [{"t": e["t"], "samples": e["samples"], "trained": e["samples"],
+                       "exact": e["exact_match"], "reward": e["reward"]} for e in evals],
             "completions_per_s": rate(evals),
             "wall_s": time.time() - t, "steps": prof["steps"],
             "profile": {"generate+score": prof["generate_and_score_s"],
@@ -128,7 +128,7 @@ def run_sluice(a: argparse.Namespace, model: Path, out: Path, staleness: int) ->
                  * group for m in metrics}
     t0 = evals[0]["ts"] if evals else 0.0
     rows = [{"t": e["ts"] - t0, "samples": generated.get(e["step"], 0),
-             "exact": e["exact_match"], "reward": e["reward"]}
+             "trained": e["step"] * 8 * group, "exact": e["exact_match"], "reward": e["reward"]}
             for e in evals if e["ts"] - t0 <= a.budget_s + 1e-6]
     by_role: dict[str, float] = {}
     for role, sec in cpu.values():
@@ -168,7 +168,8 @@ def common_threshold(res: dict[str, dict[str, Any]], key: str, label: str) -> li
         ratio = "" if base is None or n == "trl" else (
             f"   / TRL: time {hit['t'] / max(base['t'], 1e-9):.2f}, "
             f"samples {hit['samples'] / max(base['samples'], 1):.2f}")
-        lines.append(f"  {n:<6} t={hit['t']:7.1f}s  samples={hit['samples']:>8}{ratio}")
+        trained = f"  trained={hit['trained']:>7}" if "trained" in hit else ""
+        lines.append(f"  {n:<6} t={hit['t']:7.1f}s  samples={hit['samples']:>8}{trained}{ratio}")
     return lines
 
 
