@@ -38,23 +38,13 @@ from typing import Any
 
 import psutil
 
+from pipeline.report import read_jsonl
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 THRESHOLDS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 ROLES = {"up": "up", "generate": "generator", "score": "scorer", "train": "trainer",
          "eval": "evaluator"}  # sluice subcommand -> role
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def run_trl(a: argparse.Namespace, model: Path, out: Path) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from pipeline.schema import (
     RunFinished,
     ScoredGroup,
     WeightsPublished,
+    split_candidates,
 )
 
 FIELD = b"m"
@@ -197,9 +198,8 @@ def _candidates(m: dict[str, Any], ids: np.ndarray, where: str,
         raise DecodeError(f"{where}.ncand: negative count")
     if int(ncand.sum()) != len(cand):
         raise DecodeError(f"{where}.cand: {len(cand)} ids but counts sum to {int(ncand.sum())}")
-    ends = np.cumsum(ncand)
-    for t, (n, end) in enumerate(zip(ncand, ends, strict=True)):
-        if n and ids[t] not in cand[end - n:end]:
+    for t, s in enumerate(split_candidates(cand, ncand)):
+        if len(s) and ids[t] not in s:
             raise DecodeError(f"{where}.cand: token {t} (id {ids[t]}) is not in its candidate set")
     return cand, ncand
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pipeline.up import Supervisor
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file written by a role; a torn last line (killed writer) is skipped."""
     if not path.exists():
         return []
@@ -34,8 +34,8 @@ def _read(path: Path) -> list[dict[str, Any]]:
 def summary_dict(cfg: Config, sup: Supervisor, snap: dict[str, Any],
                  reason: str) -> dict[str, Any]:
     out = cfg.output_path
-    metrics = _read(out / "metrics.jsonl")
-    evals = _read(out / "eval.jsonl")
+    metrics = read_jsonl(out / "metrics.jsonl")
+    evals = read_jsonl(out / "eval.jsonl")
     wall = sup.samples[-1].t if sup.samples else 0.0
     completions = sup.samples[-1].n if sup.samples else 0
     first_reward = next((s.reward / s.n for s in sup.samples if s.n >= 64), None)
@@ -72,7 +72,7 @@ def plot(cfg: Config, sup: Supervisor, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     out = cfg.output_path
-    evals = _read(out / "eval.jsonl")
+    evals = read_jsonl(out / "eval.jsonl")
     fig, ax = plt.subplots(figsize=(7, 4))
     pts = []
     for i in range(1, len(sup.samples)):

@@ -40,6 +40,17 @@ class Rollout:
     def min_version(self) -> int:
         return int(self.versions.min()) if len(self.versions) else 0
 
+    def candidate_sets(self) -> list[np.ndarray] | None:
+        """Token ``t``'s candidate ids as ``sets[t]`` (empty = unknown); None if none."""
+        if self.candidate_ids is None or self.candidate_counts is None:
+            return None
+        return split_candidates(self.candidate_ids, self.candidate_counts)
+
+
+def split_candidates(candidate_ids: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    """The flat wire form of candidate sets -> one array per token (``len(counts)``)."""
+    return np.split(candidate_ids, np.cumsum(counts)[:-1]) if len(counts) else []
+
 
 @dataclass
 class RolloutGroup:

@@ -78,11 +78,8 @@ def _candidates(rollouts: list[Rollout], comp_len: int) -> tuple[torch.Tensor | 
     k = max(int(r.candidate_counts.max(initial=0)) for r in with_sets)  # type: ignore[union-attr]
     out = np.full((len(rollouts), comp_len, max(k, 1)), -1, dtype=np.int64)
     for i, r in enumerate(rollouts):
-        if r.candidate_counts is None or r.candidate_ids is None:
-            continue
-        ends = np.cumsum(r.candidate_counts)
-        for t, (n, end) in enumerate(zip(r.candidate_counts, ends, strict=True)):
-            out[i, t, :n] = r.candidate_ids[end - n:end]
+        for t, s in enumerate(r.candidate_sets() or []):
+            out[i, t, :len(s)] = s
     return torch.from_numpy(out), len(rollouts) - len(with_sets)
 
 

@@ -320,7 +320,6 @@ def candidate_log_softmax(
                          f"got {tuple(candidates.shape)}")
     scaled = logits / temperature if temperature != 1.0 else logits
     scaled = scaled.to(_compute_dtype(scaled))
-    full = selective_log_softmax(scaled, ids)
     valid = candidates >= 0
     known = valid.any(dim=-1)
     picked = torch.gather(scaled, -1, candidates.clamp(min=0).long())
@@ -329,4 +328,6 @@ def candidate_log_softmax(
     member = ((candidates == ids.unsqueeze(-1)) & valid).any(dim=-1)
     own = torch.gather(scaled, -1, ids.long().unsqueeze(-1)).squeeze(-1)
     renorm = torch.where(member, own - torch.where(known, lse, 0.0), -math.inf)
-    return torch.where(known, renorm, full)
+    if bool(known.all()):  # the usual case: no second log-softmax over the vocabulary
+        return renorm
+    return torch.where(known, renorm, selective_log_softmax(scaled, ids))
