@@ -98,6 +98,16 @@ redis.call('HINCRBY', KEYS[2], 'generating', -1)
 return id
 """
 
+_ABANDON = """
+-- KEYS: state, dlq; ARGV: field/value pairs. An admitted group that could not be generated
+-- leaves `generating` and retires `dead` with its dlq record in one step.
+redis.call('XADD', KEYS[2], '*', unpack(ARGV))
+redis.call('HINCRBY', KEYS[1], 'generating', -1)
+redis.call('HINCRBY', KEYS[1], 'retired', 1)
+redis.call('HINCRBY', KEYS[1], 'retired:dead', 1)
+return 1
+"""
+
 _SET_VERSION = """
 -- KEYS: state; ARGV: version. state.version only moves forward.
 local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
@@ -136,6 +146,7 @@ class Bus:
         self._retire = client.register_script(_RETIRE)
         self._handoff = client.register_script(_HANDOFF)
         self._dead = client.register_script(_DEAD_LETTER)
+        self._abandon = client.register_script(_ABANDON)
         self._admit = client.register_script(_ADMIT)
         self._set_version = client.register_script(_SET_VERSION)
         self._emit = client.register_script(_EMIT)
@@ -288,6 +299,13 @@ class Bus:
         """Append an admitted group to ``rollouts`` (and count it out of ``generating``)."""
         return _s(await self._emit(keys=[self.keys.rollouts, self.keys.state],
                                    args=[FIELD, payload]))
+
+    async def abandon(self, group_id: str, *, reason: str, role: str) -> None:
+        """Retire an admitted group that will never be appended (its generation failed
+        for good) as ``dead``, with a dlq record naming it and the reason."""
+        await self._abandon(keys=[self.keys.state, self.keys.dlq], args=[
+            b"reason", reason.encode()[:2000], b"role", role.encode(),
+            b"group_id", group_id.encode(), b"t", str(time.time()).encode()])
 
     async def set_version(self, version: int) -> bool:
         return bool(await self._set_version(keys=[self.keys.state], args=[version]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -55,6 +55,19 @@ class BusConfig(_Section):
     """Approximate length cap of the control stream (announcements only)."""
 
 
+class LoraConfig(_Section):
+    rank: int = Field(8, ge=1, le=256)
+    """LoRA rank r (vLLM servers need ``--max-lora-rank`` at least this)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA input during training (0 keeps trainer and engine identical)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                 "gate_proj", "up_proj", "down_proj"], min_length=1)
+    """Module names that get adapters (peft's target_modules)."""
+
+
 class ModelConfig(_Section):
     path: str = "runs/models/tiny-char"
     """Local model directory (HF format). Nothing is downloaded."""
@@ -62,6 +75,9 @@ class ModelConfig(_Section):
     """If `path` does not exist yet, `sluice up` builds this model there ('' = never)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of every role's copy of the model."""
+    lora: LoraConfig | None = None
+    """Set (``[model.lora]``) to train a peft LoRA adapter on the frozen base instead of all
+    weights; the `lora` weight store then publishes only the adapter per version."""
 
 
 class TaskConfig(_Section):
@@ -75,9 +91,48 @@ class TaskConfig(_Section):
     """Held-out prompts for the greedy exact-match evaluation."""
 
 
+class VLLMConfig(_Section):
+    urls: list[str] = Field(default_factory=list)
+    """Base URLs of running vLLM servers (``http://host:port``); `sluice up` fills this
+    when `launch` > 0."""
+    launch: int = Field(0, ge=0, le=64)
+    """`sluice up` starts this many local vLLM servers (server i bound to CPU core i on a
+    CPU machine) and stops them on exit; 0 = use `urls`."""
+    python: str = ".venv-vllm/bin/python"
+    """Interpreter of the environment vLLM servers run from (`deploy/setup.sh --vllm`)."""
+    max_model_len: int = Field(512, ge=16)
+    """--max-model-len of launched servers (prompt + completion tokens)."""
+    kv_cache_memory_bytes: int = Field(64 * 2**20, ge=2**20)
+    """--kv-cache-memory-bytes of launched servers."""
+    gpu_memory_utilization: float = Field(0.0, ge=0, le=1)
+    """On a GPU: --gpu-memory-utilization of launched servers (0 = use
+    kv_cache_memory_bytes, the CPU setting)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further command-line flags for launched servers."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """A launched server must answer /health within this many seconds."""
+    max_inflight: int = Field(256, ge=1)
+    """Ceiling of in-flight sequences per server; the adaptive cap from /metrics never
+    exceeds it."""
+    metrics_interval_s: float = Field(1.0, gt=0)
+    """How often each server's /metrics is read to adapt its concurrency cap."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """One generate request (all n completions of a prompt) must finish within this."""
+    request_attempts: int = Field(20, ge=1)
+    """Attempts per group (transient failures: connection lost, HTTP 5xx, timeout) before
+    it is retired `dead` with the reason; between attempts the engine backs off."""
+    backoff_max_s: float = Field(10.0, gt=0)
+    """Ceiling of the exponential backoff while no server is usable."""
+    weight_transfer: Literal["file", "nccl"] = "file"
+    """`file`: servers reload each announced version from the weight store (shared disk).
+    `nccl`: GPU only; weights are broadcast from trainer rank 0 (see README)."""
+
+
 class GenerationConfig(_Section):
-    engine: Literal["transformers"] = "transformers"
-    """In-process engine (`transformers`); `vllm` arrives with issue 4."""
+    engine: Literal["transformers", "vllm"] = "transformers"
+    """`transformers` (in-process, small models) or `vllm` (HTTP to vLLM servers)."""
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    """Settings of the `vllm` engine (`[generation.vllm]`)."""
     num_generations: int = Field(8, ge=2, le=1024)
     """Completions per prompt (one group)."""
     max_new_tokens: int = Field(8, ge=1)
@@ -90,7 +145,10 @@ class GenerationConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """1.0 = off."""
     batch_groups: int = Field(8, ge=1)
-    """Groups decoded together in one batch by the in-process engine."""
+    """Groups admitted and decoded together in one batch."""
+    concurrent_batches: int = Field(1, ge=1, le=256)
+    """Batches a generator keeps in flight at once: 1 for the in-process engine; more
+    with `vllm`, so servers always have queued work while finished groups are written."""
     threads: int = Field(1, ge=1)
     """torch threads of a generator process."""
 
@@ -205,6 +263,17 @@ class Config(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     up: UpConfig = Field(default_factory=UpConfig)
 
+    @model_validator(mode="after")
+    def _check_engine(self) -> Config:
+        v = self.generation.vllm
+        if self.generation.engine == "vllm" and not v.urls and not v.launch:
+            raise ValueError("generation.vllm.urls: the vllm engine needs server URLs, or "
+                             "generation.vllm.launch > 0 for `sluice up` to start servers")
+        if v.weight_transfer == "nccl" and self.model.lora is not None:
+            raise ValueError("generation.vllm.weight_transfer: nccl carries full weights; "
+                             "LoRA runs use the file store")
+        return self
+
     @property
     def output_path(self) -> Path:
         return Path(self.run.output_dir).resolve()
@@ -247,7 +316,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(root)"
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        got = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
+        whole = e["type"] == "extra_forbidden" or isinstance(e.get("input"), dict)
+        got = "" if whole else f" (got {e.get('input')!r})"
         lines.append(f"  {key}: {msg}{got}")
     return "\n".join(lines)
 
@@ -292,11 +362,22 @@ def _toml_value(v: Any) -> str:
 def reference_rows() -> list[str]:
     """The README's configuration table (one markdown row per key, from the docstrings);
     a unit test keeps the README equal to it."""
-    cfg = Config()
-    rows = []
-    for section in Config.model_fields:
-        sub = getattr(cfg, section)
-        for key, info in type(sub).model_fields.items():
+    rows: list[str] = []
+
+    def walk(prefix: str, node: BaseModel) -> None:
+        for key, info in type(node).model_fields.items():
+            value = getattr(node, key)
             doc = " ".join((info.description or "").split())
-            rows.append(f"| `{section}.{key}` | `{_toml_value(getattr(sub, key))}` | {doc} |")
+            if isinstance(value, _Section):
+                walk(f"{prefix}{key}.", value)
+                continue
+            optional = [a for a in get_args(info.annotation)
+                        if isinstance(a, type) and issubclass(a, _Section)]
+            if value is None and optional:  # an optional section: its row, then its keys
+                rows.append(f"| `{prefix}{key}` | unset | {doc} |")
+                walk(f"{prefix}{key}.", optional[0]())
+                continue
+            rows.append(f"| `{prefix}{key}` | `{_toml_value(value)}` | {doc} |")
+
+    walk("", Config())
     return rows

@@ -2,7 +2,9 @@
 
 Everything here is built locally (no hub downloads): a 76-symbol character tokenizer and a
 tiny random-init Qwen2 causal LM. Workers and the trainer must agree byte-for-byte on
-parameter names and shapes, so both go through this module.
+parameter names and shapes, so both go through this module: `load_policy` is the one way
+every role builds the policy, LoRA-wrapped (peft) when ``[model.lora]`` is set, so the
+trainer's adapter keys are exactly those the engines load.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import os
 import shutil
 import string
+import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -23,6 +27,11 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+if TYPE_CHECKING:  # peft is imported lazily: full-weight runs never need it
+    from peft import PeftModel
+
+    from pipeline.config import Config, LoraConfig
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOS, BOS, UNK)  # ids 0..3, fixed by position
@@ -156,8 +165,12 @@ def load_model(
     )
     model.to(device)
     model.eval()
-    tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-    return model, tok
+    return model, load_tokenizer(path)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """The tokenizer saved beside a local model (no network)."""
+    return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
 
 
 def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -172,3 +185,97 @@ def model_state_for_publish(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     so that safetensors serialisation (which rejects shared/non-contiguous storage) works.
     """
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraConfig, *, seed: int | None = None) -> PeftModel:
+    """Wrap ``model`` in place with a fresh peft LoRA adapter (named ``default``).
+
+    Base parameters are frozen (``requires_grad=False``); only the adapter trains. peft
+    initialises ``lora_B`` to zero, so the wrapped model computes exactly what the base
+    does until the adapter is trained. ``lora_A`` is random: with ``seed`` it is drawn
+    from a forked RNG seeded with it (same seed -> same adapter, the caller's RNG stream
+    untouched); with None from the global torch RNG. The train/eval mode is kept.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    training = model.training
+    pcfg = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=list(lora.target_modules), bias="none",
+                          task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        peft_model = get_peft_model(model, pcfg)
+    peft_model.train(training)
+    return peft_model
+
+
+def load_policy(cfg: Config, *, device: str | torch.device = "cpu"
+                ) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """(policy in eval mode, tokenizer): the base model of ``cfg.model``, wrapped with a
+    LoRA adapter (seeded by ``run.seed``) when ``cfg.model.lora`` is set."""
+    model, tok = load_model(cfg.model.path, dtype=cfg.model.dtype, device=device)
+    if cfg.model.lora is not None:
+        model = apply_lora(model, cfg.model.lora, seed=cfg.run.seed)
+    return model, tok
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    """True for a peft-wrapped model. Never imports peft (seconds of start-up that
+    full-weight runs do not need): a model can only be a PeftModel once peft is loaded."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The active adapter's tensors in peft's saved format, as detached contiguous CPU
+    copies (a later optimizer step cannot change them).
+
+    Keys are peft's (``base_model.model.<module>.lora_A.weight``: the adapter name
+    removed), which is what ``adapter_model.safetensors`` holds and vLLM loads.
+    """
+    from peft import get_peft_model_state_dict
+
+    model = _require_peft(model)
+    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+
+def adapter_to_model_keys(model: torch.nn.Module,
+                          state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Re-key an adapter state (peft's saved format) to ``model.state_dict()`` keys.
+
+    The result covers exactly the active adapter's tensors, so it can be loaded with
+    ``load_state_dict(strict=False)`` without leaving any adapter tensor stale. Raises
+    ValueError when ``model`` is not a peft model, or when the keys or shapes differ from
+    the model's adapter (another rank or target_modules), before anything is changed.
+    """
+    from peft import get_peft_model_state_dict
+
+    model = _require_peft(model)
+    name = model.active_adapter
+    own = model.state_dict()
+    saved = get_peft_model_state_dict(model, state_dict=own, adapter_name=name)
+    key_of = {k.replace(f".{name}", ""): k for k in own if k.replace(f".{name}", "") in saved}
+    if set(state) != set(key_of):
+        missing, extra = sorted(set(key_of) - set(state)), sorted(set(state) - set(key_of))
+        raise ValueError(f"adapter does not match the model's LoRA adapter: "
+                         f"missing {missing[:3]} ({len(missing)}), "
+                         f"unexpected {extra[:3]} ({len(extra)})")
+    out = {key_of[k]: v for k, v in state.items()}
+    for k, v in out.items():
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise ValueError(f"adapter tensor {k} has shape {tuple(v.shape)}, "
+                             f"the model's has {tuple(own[k].shape)} (another rank?)")
+    return out
+
+
+def _require_peft(model: torch.nn.Module) -> PeftModel:
+    if not is_peft(model):
+        raise ValueError(f"expected a peft (LoRA) model, got {type(model).__name__}: "
+                         "is [model.lora] set for this role?")
+    return model  # type: ignore[return-value]

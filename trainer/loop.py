@@ -17,6 +17,11 @@ Per step:
 A crash between 3 and 5 redelivers the groups to the restarted trainer, which resumes
 from its last checkpoint (older than those groups' step), so they are trained once in
 the surviving history.
+
+LoRA runs (``[model.lora]``): the policy is the frozen base wrapped with a peft adapter;
+only the adapter trains (the optimizer holds only trainable parameters), every version is
+published as an adapter (``format="lora"``), checkpoints hold the adapter, and the KL
+reference is the base with the adapter disabled (`trainer.policy.reference_logps`).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from pipeline.bus import Bus, Entry, worker_id
 from pipeline.codec import DecodeError, decode_entry, peek_group_id
 from pipeline.config import Config
 from pipeline.keys import TRAINERS_GROUP
-from pipeline.model import load_model
+from pipeline.model import load_model, load_policy
 from pipeline.runtime import Heartbeat, connect, limits, set_threads
 from pipeline.schema import ScoredGroup
 from pipeline.weights import FileWeightStore
@@ -61,10 +66,12 @@ class Trainer:
         self.tc = cfg.trainer
         self.consumer = f"trainer-{rank}"
         self.wid = worker_id("trainer", self.consumer)
-        self.model, self.tokenizer = load_model(cfg.model.path, dtype=cfg.model.dtype)
+        self.lora = cfg.model.lora is not None
+        self.model, self.tokenizer = load_policy(cfg)
         self.model.train()
         self.pad_id = int(self.tokenizer.pad_token_id or 0)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.tc.lr,
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=self.tc.lr,
                                            betas=self.tc.adam_betas,
                                            weight_decay=self.tc.weight_decay)
         self.step_settings = StepSettings(
@@ -90,7 +97,7 @@ class Trainer:
         self.last: dict[str, Any] = {}
         self.t_start = time.time()
         self.ref_model: torch.nn.Module | None = None
-        if self.tc.beta > 0:  # frozen reference: loaded once, never synced
+        if self.tc.beta > 0 and not self.lora:  # frozen reference: loaded once, never synced
             self.ref_model, _ = load_model(cfg.model.path, dtype=cfg.model.dtype)
             self.ref_model.requires_grad_(False)
 
@@ -177,8 +184,12 @@ class Trainer:
         return missing / max(n_rows, 1)
 
     async def publish(self, bus: Bus) -> None:
-        msg = self.store.publish(self.model.state_dict(), version=self.state.version,
-                                 step=self.state.step)
+        if self.lora:
+            msg = self.store.publish_lora(self.model, version=self.state.version,
+                                          step=self.state.step, base_model=self.cfg.model.path)
+        else:
+            msg = self.store.publish(self.model.state_dict(), version=self.state.version,
+                                     step=self.state.step)
         await bus.retrying(lambda: control.announce(bus, msg, maxlen=self.cfg.bus.control_maxlen),
                            "announce")
 

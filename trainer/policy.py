@@ -8,6 +8,10 @@ the "old" logprobs are computed once, with no gradient, by the weights that star
 batch, and every pass clips ``exp(logps - old)``; the importance weights against the
 behaviour logprobs use those same old logprobs, so they are fixed for the batch. With
 μ = 1 no extra forward is done (old = detached logps: same values, ratio exactly 1).
+
+The KL reference (``beta > 0``) is a frozen ``ref_model`` for full-weight runs; for a
+LoRA (peft) policy it is the policy itself with its adapter disabled, i.e. the frozen
+base, so no second copy of the model is kept.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.model import is_peft
 from trainer.batch import Batch, completion_logits
 from trainer.loss import (
     LossConfig,
@@ -40,6 +45,22 @@ def token_logps(model: torch.nn.Module, batch: Batch,
         return candidate_log_softmax(comp, batch.completion_ids, batch.candidates,
                                      temperature), comp
     return selective_log_softmax(comp, batch.completion_ids, temperature), comp
+
+
+@torch.no_grad()
+def reference_logps(model: torch.nn.Module, batch: Batch, temperature: float,
+                    ref_model: torch.nn.Module | None = None) -> torch.Tensor | None:
+    """Reference logprobs ``[B, T]`` for the KL term, without gradient.
+
+    From ``ref_model`` when given; else, for a peft policy, from ``model`` with its
+    adapter disabled (the frozen base: exactly what the adapter started from); else None.
+    """
+    if ref_model is not None:
+        return token_logps(ref_model, batch, temperature)[0]
+    if not is_peft(model):
+        return None
+    with model.disable_adapter():  # type: ignore[operator]
+        return token_logps(model, batch, temperature)[0]
 
 
 @dataclass
@@ -73,12 +94,12 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
     """``num_iterations`` optimizer steps on ``batch``; metrics averaged over the passes.
 
     ``loss`` and ``entropy`` are of the first pass (the policy that the batch met);
-    ``grad_norm`` is the mean pre-clip norm.
+    ``grad_norm`` is the mean pre-clip norm (a LoRA policy's frozen base has no
+    gradient, so it counts only the adapter). The reference is `reference_logps`.
     """
     ref = old = None
-    if ref_model is not None and st.loss.beta > 0:
-        with torch.no_grad():
-            ref, _ = token_logps(ref_model, batch, st.temperature)
+    if st.loss.beta > 0:
+        ref = reference_logps(model, batch, st.temperature, ref_model)
     if st.num_iterations > 1:
         with torch.no_grad():
             old, _ = token_logps(model, batch, st.temperature)

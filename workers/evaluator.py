@@ -5,6 +5,10 @@ announced version at most every ``eval_every_s`` seconds, and the final version 
 run finishes; one JSON line per evaluation in ``<output_dir>/eval.jsonl`` and the latest
 figures in its heartbeat. It never writes to a stream, so it can be started or stopped
 at any time without affecting the run.
+
+Weights (full or a LoRA adapter: the policy is built by `load_policy`, like a
+generator's) are verified by the store and loaded through the engine's own
+`load_weights`, so the evaluator scores exactly what generators would sample from.
 """
 
 from __future__ import annotations
@@ -15,12 +19,10 @@ import logging
 import time
 from typing import Any
 
-import torch
-
 from pipeline import control
 from pipeline.bus import worker_id
 from pipeline.config import Config
-from pipeline.model import load_model
+from pipeline.model import load_policy
 from pipeline.runtime import Heartbeat, connect, set_threads
 from pipeline.schema import RunFinished, WeightsPublished
 from pipeline.weights import FileWeightStore, WeightError
@@ -54,7 +56,7 @@ class Evaluator:
         task = make_task(cfg.task.name, seed=cfg.run.seed, num_prompts=cfg.task.num_prompts,
                          path=cfg.task.path or None)
         self.prompts = task.heldout(cfg.task.heldout)
-        self.model, self.tokenizer = load_model(cfg.model.path, dtype=cfg.model.dtype)
+        self.model, self.tokenizer = load_policy(cfg)
         self.engine = TransformersEngine(self.model, self.tokenizer, seed=cfg.run.seed)
         self.store = FileWeightStore(cfg.output_path / "weights")
         self.path = cfg.output_path / "eval.jsonl"
@@ -72,16 +74,15 @@ class Evaluator:
         log.info("eval v%d: exact_match %.3f reward %.3f", version, res["exact_match"],
                  res["reward"])
 
-    def load(self, msg: WeightsPublished) -> bool:
+    async def load(self, msg: WeightsPublished) -> bool:
+        """Swap in an announced version (verified; the engine is idle, so it applies now).
+        False, keeping the current weights, when it cannot be loaded."""
         try:
-            state = self.store.load(msg)
-        except (WeightError, OSError) as e:
+            path = self.store.verify(msg)
+            return await self.engine.load_weights(path, msg.version, msg.format)
+        except (WeightError, OSError, ValueError) as e:
             log.warning("cannot evaluate v%d: %s", msg.version, e)
             return False
-        with torch.no_grad():
-            self.model.load_state_dict(state)
-        self.engine.version = msg.version
-        return True
 
     async def run(self, stop: asyncio.Event) -> None:
         bus = connect(self.cfg)
@@ -99,11 +100,11 @@ class Evaluator:
                 elif isinstance(msg, RunFinished):
                     final = await control.latest(bus)
                     if final is not None and final.version > self.engine.version \
-                            and self.load(final):
+                            and await self.load(final):
                         await self.run_once(final.version, final.step)
                     break
                 if pending and time.monotonic() - last_eval >= self.every_s:
-                    if self.load(pending):
+                    if await self.load(pending):
                         await self.run_once(pending.version, pending.step)
                     pending = None
                     last_eval = time.monotonic()

@@ -20,14 +20,14 @@ import zlib
 import numpy as np
 
 from pipeline import control
-from pipeline.bus import worker_id
+from pipeline.bus import Bus, worker_id
 from pipeline.codec import encode
 from pipeline.config import Config
-from pipeline.model import load_model
+from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, join, set_threads
 from pipeline.schema import Rollout, RolloutGroup, RunFinished, WeightsPublished
 from pipeline.weights import FileWeightStore, WeightError
-from workers.engines.base import Completion, SamplingParams
+from workers.engines.base import Completion, Engine, EngineError, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.tasks import make_task, prompt_for_cursor
 
@@ -56,16 +56,27 @@ def to_rollout(c: Completion, tokenizer: object) -> Rollout:
     )
 
 
+def make_engine(cfg: Config, tokenizer: object, seed: int) -> Engine:
+    """The configured engine. The vLLM engine needs no model in this process (the
+    servers hold it): only the tokenizer, for prompts and completion text."""
+    if cfg.generation.engine == "vllm":
+        from workers.engines.vllm import VLLMEngine
+
+        return VLLMEngine.from_config(cfg, seed=seed)
+    model, _ = load_policy(cfg)
+    return TransformersEngine(model, tokenizer, seed=seed, version=0)  # type: ignore[arg-type]
+
+
 class Generator:
     def __init__(self, cfg: Config, name: str | None = None):
         self.cfg = cfg
         self.wid = worker_id("generator", name)
         self.task = make_task(cfg.task.name, seed=cfg.run.seed, num_prompts=cfg.task.num_prompts,
                               path=cfg.task.path or None)
-        model, self.tokenizer = load_model(cfg.model.path, dtype=cfg.model.dtype)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         # distinct, reproducible sampling streams per generator name
         seed = (cfg.run.seed * 1_000_003 + zlib.crc32(self.wid.encode())) % 2**31
-        self.engine = TransformersEngine(model, self.tokenizer, seed=seed, version=0)
+        self.engine: Engine = make_engine(cfg, self.tokenizer, seed)
         self.store = FileWeightStore(cfg.output_path / "weights")
         self.params = SamplingParams(
             max_new_tokens=cfg.generation.max_new_tokens, temperature=cfg.generation.temperature,
@@ -73,33 +84,46 @@ class Generator:
         self.groups = 0
         self.completions = 0
         self.tokens = 0
+        self.dead_groups = 0
         self.gate_wait_s = 0.0
         self.gate_closed = False
         self.rejected_weights = 0
+        self._swap_lock = asyncio.Lock()
 
     def info(self) -> dict[str, object]:
+        engine = self.engine.health()
         return {"version": self.engine.version, "groups": self.groups,
                 "completions": self.completions, "tokens": self.tokens,
+                "dead_groups": self.dead_groups,
                 "gate_wait_s": round(self.gate_wait_s, 3), "gate_closed": self.gate_closed,
-                "rejected_weights": self.rejected_weights}
+                "rejected_weights": self.rejected_weights, "engine": engine,
+                **({"healthy": False} if not engine.get("healthy", True) else {})}
 
-    def apply(self, msg: WeightsPublished) -> None:
-        """Queue a strictly newer version on the engine; refuse bad weights, keep serving."""
-        if msg.version <= self.engine.version:
-            return
-        try:
-            state = self.store.load(msg)
-        except (WeightError, OSError, ValueError) as e:
-            self.rejected_weights += 1
-            log.warning("refusing weights v%d: %s", msg.version, e)
-            return
-        self.engine.update_weights(state, msg.version)
+    async def apply(self, msg: WeightsPublished) -> None:
+        """Swap in a strictly newer version; refuse bad weights and keep serving.
+
+        Swaps are serialised (watcher and catch-up may both see a version), and a swap
+        the engine could not finish is logged: the engine keeps the weights it has and the
+        next announcement (or catch-up) tries again."""
+        async with self._swap_lock:
+            if msg.version <= self.engine.version:
+                return
+            try:
+                path = self.store.verify(msg)
+            except (WeightError, OSError, ValueError) as e:
+                self.rejected_weights += 1
+                log.warning("refusing weights v%d: %s", msg.version, e)
+                return
+            try:
+                await self.engine.load_weights(path, msg.version, msg.format)
+            except EngineError as e:
+                log.warning("engine could not load weights v%d: %s", msg.version, e)
 
     async def watch_control(self, bus, stop: asyncio.Event) -> None:
         async for msg in control.watch(bus, from_id="0", stop=stop,
                                        block_ms=self.cfg.bus.block_ms):
             if isinstance(msg, WeightsPublished):
-                self.apply(msg)
+                await self.apply(msg)
             elif isinstance(msg, RunFinished):
                 log.info("run finished (%s); stopping", msg.reason)
                 stop.set()
@@ -132,9 +156,28 @@ class Generator:
         if st.get("version", 0) > self.engine.version:
             msg = await control.latest(bus)
             if msg is not None:
-                self.apply(msg)
+                await self.apply(msg)
 
-    async def generate_batch(self, bus, cursors: list[int]) -> None:
+    async def _generate(self, prompt_ids: list[list[int]]) -> list[list[Completion] | str]:
+        """Completions per prompt, or the reason a prompt's group failed for good.
+
+        An engine with independent requests (vLLM: one request per prompt, retried on
+        other servers) fails per group; the in-process engine decodes the batch as one."""
+        n = self.cfg.generation.num_generations
+        if not getattr(self.engine, "independent_prompts", False):
+            return list(await self.engine.generate(prompt_ids, n, self.params))
+
+        async def one(p: list[int]) -> list[Completion] | str:
+            try:
+                return (await self.engine.generate([p], n, self.params))[0]
+            except EngineError as e:
+                return str(e)
+
+        return list(await asyncio.gather(*(one(p) for p in prompt_ids)))
+
+    async def generate_batch(self, bus: Bus, cursors: list[int]) -> None:
+        """Generate and append one group per cursor. A group is appended whole or, if
+        its generation failed for good, retired `dead` with the reason: never half."""
         t_admit = time.time()
         metas, prompt_ids = [], []
         for c in cursors:
@@ -142,12 +185,18 @@ class Generator:
             prompt = self.task.prompt(idx)
             metas.append((epoch, idx, prompt))
             prompt_ids.append(render_prompt(self.tokenizer, str(prompt["text"])))
-        results = await self.engine.generate(prompt_ids, self.cfg.generation.num_generations,
-                                             self.params)
+        results = await self._generate(prompt_ids)
         t_done = time.time()
         for (epoch, idx, prompt), pids, comps in zip(metas, prompt_ids, results, strict=True):
+            group_id = f"{epoch}:{idx}"
+            if isinstance(comps, str):
+                log.warning("group %s failed for good, retired dead: %s", group_id, comps)
+                await bus.retrying(lambda g=group_id, r=comps: bus.abandon(
+                    g, reason=f"generation failed: {r}", role=self.wid), "abandon group")
+                self.dead_groups += 1
+                continue
             group = RolloutGroup(
-                group_id=f"{epoch}:{idx}", prompt_index=idx, epoch=epoch, prompt=prompt,
+                group_id=group_id, prompt_index=idx, epoch=epoch, prompt=prompt,
                 prompt_ids=np.asarray(pids, dtype=np.int32), generator=self.wid,
                 t_admit=t_admit, t_done=t_done,
                 rollouts=[to_rollout(c, self.tokenizer) for c in comps])
@@ -158,18 +207,24 @@ class Generator:
             self.completions += len(comps)
             self.tokens += sum(len(c.token_ids) for c in comps)
 
+    async def produce(self, bus: Bus, stop: asyncio.Event) -> None:
+        """One admit -> generate -> append loop; `run` keeps ``concurrent_batches`` of them."""
+        while not stop.is_set():
+            await bus.retrying(lambda: self.catch_up(bus), "catch up", stop)
+            cursors = await self.admit_batch(bus, stop)
+            if cursors:
+                await self.generate_batch(bus, cursors)
+
     async def run(self, stop: asyncio.Event) -> None:
+        await self.engine.start()
         bus = connect(self.cfg)
         hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info)
         hb.start()
         watcher = asyncio.create_task(self.watch_control(bus, stop))
         log.info("generator %s started (engine %s)", self.wid, self.cfg.generation.engine)
         try:
-            while not stop.is_set():
-                await bus.retrying(lambda: self.catch_up(bus), "catch up", stop)
-                cursors = await self.admit_batch(bus, stop)
-                if cursors:
-                    await self.generate_batch(bus, cursors)
+            await asyncio.gather(*(self.produce(bus, stop)
+                                   for _ in range(self.cfg.generation.concurrent_batches)))
         except asyncio.CancelledError:
             pass
         finally:
@@ -177,6 +232,7 @@ class Generator:
             await join(watcher, self.cfg.bus.block_ms / 1000 + 5)
             await hb.stop()
             await bus.close()
+            await self.engine.close()
             log.info("generator %s stopped: %d groups", self.wid, self.groups)
 
 

@@ -211,3 +211,23 @@ def test_readme_configuration_table_is_current() -> None:
     start = readme.index("| key | default | meaning |")
     table = readme[start:readme.index("\n\n", start)].splitlines()[2:]
     assert table == reference_rows()
+
+
+def test_vllm_engine_without_servers_fails_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"generation\.vllm\.urls"):
+        load_config(None, ["generation.engine=vllm"])
+    cfg = load_config(None, ["generation.engine=vllm", "generation.vllm.launch=1"])
+    assert cfg.generation.vllm.launch == 1
+    cfg = load_config(None, ["generation.engine=vllm",
+                             "generation.vllm.urls=['http://127.0.0.1:8000']"])
+    assert cfg.generation.vllm.urls == ["http://127.0.0.1:8000"]
+
+
+def test_lora_section_and_its_keys_are_validated() -> None:
+    assert load_config(None).model.lora is None
+    cfg = load_config(None, ["model.lora.rank=4"])
+    assert cfg.model.lora is not None and cfg.model.lora.rank == 4
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank"):
+        load_config(None, ["model.lora.rank=0"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.ranks: unknown key"):
+        load_config(None, ["model.lora.ranks=4"])

@@ -8,10 +8,15 @@ may land mid-generation (between decode steps), so one completion can span versi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-import torch
+
+
+class EngineError(RuntimeError):
+    """A request failed for good (after the engine's own retries) or the backend is set
+    up wrongly; the message says which and why."""
 
 
 @dataclass(frozen=True)
@@ -73,25 +78,38 @@ class Completion:
 
 @runtime_checkable
 class Engine(Protocol):
-    """A rollout backend holding one policy whose weights can be swapped while it decodes."""
+    """A rollout backend holding one policy whose weights can be swapped while it decodes.
+
+    Lifecycle: ``await start()`` before the first call, ``await close()`` at the end.
+    """
 
     version: int
+
+    async def start(self) -> None:
+        """Connect / check the backend; raise with a clear message if it is unusable."""
+        ...
+
+    async def close(self) -> None: ...
 
     async def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams
     ) -> list[list[Completion]]:
         """Return ``n`` completions per prompt (outer list aligned with ``prompts``).
 
-        All ``len(prompts) * n`` rows decode together in one batch, so a weight swap hits
-        every row at the same step.
+        A weight swap lands between decode steps: every token records the version whose
+        forward produced it, so a completion may span versions (non-decreasing).
         """
         ...
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Queue new weights, applied at the next decode-step boundary (now, if idle).
+    async def load_weights(self, path: Path, version: int, fmt: str = "safetensors") -> bool:
+        """Swap in the weights of a verified weight-store directory (``fmt`` is the
+        announcement's format: ``safetensors`` full weights or a ``lora`` adapter).
 
-        A ``version`` not newer than the current (or already queued) one is ignored, so
-        duplicate or out-of-order publications are harmless. The engine may hold on to the
-        tensors until applied: callers must not mutate them afterwards.
+        Returns False, doing nothing, when ``version`` is not newer than the current (or
+        already queued) one, so duplicate or reordered announcements are harmless.
         """
+        ...
+
+    def health(self) -> dict[str, object]:
+        """Counters and state for the role's heartbeat (``healthy`` among them)."""
         ...

@@ -4,17 +4,25 @@ We do not use ``model.generate`` because we need (a) the exact per-token behavio
 under the processed sampling distribution, (b) per-token weight versions and (c) the ability
 to swap weights between decode steps while keeping the KV cache (vLLM-style pause-keep).
 The cache is passed as ``cache=`` (transformers >= 5.2x renamed ``past_key_values``).
+
+Weights come in two formats: full ``safetensors`` state dicts, or a ``lora`` adapter
+directory (peft format) for a peft-wrapped model; both go through the same pending swap,
+so LoRA versions land between decode steps exactly like full weights.
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
-from workers.engines.base import Completion, SamplingParams
+from pipeline.model import adapter_to_model_keys, is_peft
+from pipeline.weights import weight_file
+from workers.engines.base import Completion, EngineError, SamplingParams
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -54,6 +62,35 @@ def sample_tokens(
     return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
 
 
+class WeightMismatchError(EngineError, ValueError):
+    """Announced weights do not fit this engine's model (format, or LoRA rank/targets).
+
+    A set-up error: a ValueError, and an EngineError so that a generator logs it and
+    keeps serving the weights it has.
+    """
+
+
+def read_weights(model: torch.nn.Module, path: Path, fmt: str) -> dict[str, torch.Tensor]:
+    """The tensors of a weight-store directory keyed as ``model.state_dict()``.
+
+    For ``lora`` only the adapter's tensors (``model`` must be peft-wrapped); for
+    ``safetensors`` the full state (``model`` must not be: its keys are the base's).
+    Raises `WeightMismatchError` on a format/model mismatch.
+    """
+    if fmt not in ("safetensors", "lora"):
+        raise WeightMismatchError(f"the transformers engine cannot load {fmt!r} weights")
+    if fmt == "safetensors" and is_peft(model):
+        raise WeightMismatchError("full weights announced for a LoRA (peft) model: "
+                                  "[model.lora] must match between the trainer and this role")
+    state = load_file(str(path / weight_file(fmt)))
+    if fmt == "safetensors":
+        return state
+    try:
+        return adapter_to_model_keys(model, state)
+    except ValueError as e:
+        raise WeightMismatchError(str(e)) from e
+
+
 class TransformersEngine:
     """`Engine` over a HF causal LM. Single event-loop thread only; no internal locking.
 
@@ -86,26 +123,57 @@ class TransformersEngine:
         self.device = next(model.parameters()).device
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
-        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._pending: tuple[dict[str, torch.Tensor], int, bool] | None = None
         self._active = 0  # generate() calls in flight; swaps apply immediately only at 0
 
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def health(self) -> dict[str, object]:
+        return {"healthy": True}
+
     # ----------------------------------------------------------------- weights
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Queue (or, when idle, apply) a swap; stale versions are dropped silently."""
+    async def load_weights(self, path: Path, version: int, fmt: str = "safetensors") -> bool:
+        """Read a (verified) weight-store directory and queue it (`update_weights`).
+
+        ``safetensors``: the full state dict. ``lora``: the directory's
+        ``adapter_model.safetensors``, re-keyed to this model's adapter tensors; only those
+        are swapped (the frozen base stays). Mismatches (a LoRA adapter for a plain model,
+        full weights for a LoRA model, another rank) raise here, before
+        anything is queued, never at the swap (`WeightMismatchError`).
+        """
+        newest = self._pending[1] if self._pending is not None else self.version
+        if version <= newest:
+            return False
+        state = read_weights(self.model, Path(path), fmt)
+        self.update_weights(state, version, strict=fmt != "lora")
+        return True
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, *,
+                       strict: bool = True) -> None:
+        """Queue (or, when idle, apply) a swap; stale versions are dropped silently.
+
+        ``strict=False`` swaps a subset of the state (a LoRA adapter's tensors); the keys
+        must already be known to be the model's (see `read_weights`).
+        """
         newest = self._pending[1] if self._pending is not None else self.version
         if version <= newest:
             return
-        self._pending = (state_dict, version)
+        self._pending = (state_dict, version, strict)
         if self._active == 0:
             self._apply_pending()
 
     def _apply_pending(self) -> None:
         if self._pending is None:
             return
-        sd, version = self._pending
+        sd, version, strict = self._pending
         self._pending = None
         with torch.no_grad():
-            self.model.load_state_dict(sd, strict=True)
+            self.model.load_state_dict(sd, strict=strict)
         self.version = version
 
     # ----------------------------------------------------------------- decoding

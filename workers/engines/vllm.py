@@ -1,115 +1,228 @@
-"""Engine over one or more vLLM servers: token-in/token-out over HTTP (issue 4, core).
+"""Engine over one or more vLLM servers: token-in/token-out over HTTP.
 
-Requests go to ``POST /inference/v1/generate`` (server started with
-``--enable-scale-out``), which returns per-token weight versions; logprobs must be of
-the processed distribution (``--logprobs-mode processed_logprobs``), which ``start()``
-checks by behaviour: with top-k = 2 the two reported top logprobs of a processed
-distribution sum to probability 1, raw ones do not.
+Requests go to ``POST /inference/v1/generate`` (server flag ``--enable-scale-out``),
+which reports per-token weight versions; a server without that route is driven through
+``/v1/completions`` with token-id prompts instead, and its tokens are labelled with the
+version the server held when the request was sent (conservative for staleness: a swap
+during the request can only make tokens newer). Logprobs must be of the processed
+distribution (``--logprobs-mode processed_logprobs``): `start` checks it by behaviour
+(with top-k = 2 the two reported logprobs of a processed distribution sum to 1).
 
-Weight swaps (``load_weights``): on every server concurrently, pause with ``mode=keep``
-(in-flight requests freeze, keeping their KV cache) → ``collective_rpc reload_weights``
-from the announced directory → ``update_weight_version`` → ``reset_prefix_cache`` (a
-reload does not invalidate cached prefixes) → resume, the resume in a ``finally`` so a
-failed reload never leaves a server paused. Tokens sampled after the resume carry the
-new version label; the label of a server's initial weights ("default") maps to the
-engine's initial version.
+Routing: each request (one prompt, ``n`` completions = ``n`` sequences) goes to the
+healthy server with the lowest in-flight/cap ratio that has room; caps adapt to each
+server's ``/metrics`` (see `vllm_metrics`). With no usable server, requests wait (with
+exponential backoff, unbounded) and `health` reports the engine unhealthy.
 
-Not yet here (issue 4 continues): LoRA adapters, concurrency caps from ``/metrics``,
-taking failed servers out of rotation with retries, NCCL, launching servers from
-``sluice up``. Routing is least-in-flight over the configured servers.
+Failures: a connection error, timeout or HTTP 5xx takes the server out of rotation and
+retries the whole request elsewhere (a prompt's ``n`` completions come from one request,
+so a group is never half-made); after ``request_attempts`` failures the prompt fails with
+`EngineError` and the generator retires its group ``dead`` with the reason. A server
+out of rotation is probed; when it answers again it first gets the current weights, then
+rejoins. A server that answers with the initial-weights label after we swapped it has
+restarted behind our back: it is treated the same way.
+
+Weight swaps (`load_weights`), on every server concurrently: full weights pause with
+``mode=keep`` → ``collective_rpc reload_weights`` → ``update_weight_version`` →
+``reset_prefix_cache`` → resume (always, in ``finally``). LoRA (``fmt="lora"``): the
+adapter directory is loaded under the name ``<run>-v<version>`` with
+``/v1/load_lora_adapter``, new requests use it, and only the newest ``keep_adapters``
+stay loaded (older ones are unloaded once no request uses them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
 
-from workers.engines.base import Completion, SamplingParams
+from workers.engines.base import Completion, EngineError, SamplingParams
+from workers.engines.vllm_metrics import initial_cap, next_cap, parse_metrics
+from workers.engines.vllm_pool import Server, ServerDown, VLLMError
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
+
+log = logging.getLogger("sluice.vllm")
 INITIAL_LABEL = "default"
 
 
-class VLLMError(RuntimeError):
-    """A vLLM server refused a request, answered nonsense, or is set up wrongly."""
-
-
-@dataclass
-class Server:
-    url: str
-    inflight: int = 0
-    swaps: list[float] = field(default_factory=list)  # pause -> resume seconds
-
-
 class VLLMEngine:
-    """`Engine` over vLLM servers. One event loop; call ``start()`` first."""
+    """`Engine` over vLLM servers. One event loop; ``await start()`` first."""
+
+    independent_prompts = True  # the generator sends one request per group
 
     def __init__(self, urls: list[str], model: str, *, version: int = 0,
-                 timeout_s: float = 600.0, seed: int | None = None) -> None:
+                 timeout_s: float = 300.0, seed: int | None = None, max_inflight: int = 256,
+                 request_attempts: int = 20, backoff_max_s: float = 10.0,
+                 metrics_interval_s: float = 1.0, lora_prefix: str = "",
+                 keep_adapters: int = 0) -> None:
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL")
-        self.servers = [Server(u.rstrip("/")) for u in urls]
+        self.servers = [Server(u.rstrip("/"), ceiling=max_inflight, version=version)
+                        for u in urls]
         self.model = model
         self.version = version
         self.initial_version = version
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.rng = random.Random(seed)
+        self.request_attempts = request_attempts
+        self.backoff_max_s = backoff_max_s
+        self.metrics_interval_s = metrics_interval_s
+        self.lora_prefix = lora_prefix  # non-empty: LoRA run, adapters named <prefix>-v<N>
+        self.keep_adapters = keep_adapters
+        self.current: tuple[Path, int, str] | None = None  # newest weights (path, ver, fmt)
         self.session: aiohttp.ClientSession | None = None
+        self._changed = asyncio.Event()  # a server freed room or changed state
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self.retries = 0
+        self.failed_requests = 0
 
-    # ----------------------------------------------------------------- plumbing
-    async def _post(self, server: Server, path: str, body: dict[str, Any] | None = None) -> Any:
+    @classmethod
+    def from_config(cls, cfg: Config, *, seed: int | None = None) -> VLLMEngine:
+        v = cfg.generation.vllm
+        lora = cfg.model.lora is not None
+        return cls(v.urls, str(Path(cfg.model.path).resolve()), seed=seed,
+                   timeout_s=v.request_timeout_s, max_inflight=v.max_inflight,
+                   request_attempts=v.request_attempts, backoff_max_s=v.backoff_max_s,
+                   metrics_interval_s=v.metrics_interval_s,
+                   lora_prefix=cfg.run.name if lora else "",
+                   keep_adapters=cfg.trainer.max_staleness + 1 if lora else 0)
+
+    # ----------------------------------------------------------------- HTTP
+    async def _call(self, s: Server, method: str, path: str,
+                    body: dict[str, Any] | None = None) -> Any:
+        """One HTTP call; connection problems and 5xx become `ServerDown`, other non-200
+        answers `VLLMError` (the request itself is wrong: retrying cannot help)."""
         assert self.session is not None, "call start() first"
-        async with self.session.post(server.url + path, json=body or {}) as r:
-            text = await r.text()
-            if r.status != 200:
-                raise VLLMError(f"{server.url}{path}: HTTP {r.status}: {text[:300]}")
-            return await r.json(content_type=None) if text.strip() else None
+        try:
+            async with self.session.request(method, s.url + path, json=body) as r:
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise ServerDown(f"{s.url}{path}: {type(e).__name__}: {e}") from e
+        if r.status >= 500:
+            raise ServerDown(f"{s.url}{path}: HTTP {r.status}: {text[:300]}")
+        if r.status != 200:
+            raise VLLMError(f"{s.url}{path}: HTTP {r.status}: {text[:300]}", status=r.status)
+        if path == "/metrics":
+            return text
+        import json
 
+        return json.loads(text) if text.strip() else None
+
+    # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        """Open the HTTP session and check every server serves ``model`` with processed
-        logprobs; raise `VLLMError` naming the server and the fix otherwise."""
+        """Check every server (model, processed logprobs, generate route, LoRA slots),
+        size the caps, and start the metrics and recovery loops. Raises `EngineError`
+        naming the server and the fix when one is set up wrongly; a server that does not
+        answer at all starts out of rotation (it may still be starting)."""
         self.session = aiohttp.ClientSession(timeout=self.timeout)
+        reachable = 0
         for s in self.servers:
-            assert self.session is not None
-            async with self.session.get(s.url + "/v1/models") as r:
-                ids = [m["id"] for m in (await r.json()).get("data", [])]
-            if self.model not in ids:
-                raise VLLMError(f"{s.url} serves {ids}, not {self.model!r}")
-            probe = await self._request(s, [1], 1, {"max_tokens": 1, "temperature": 1.0,
-                                                    "top_k": 2, "logprobs": 2})
-            top = probe["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
-            mass = sum(math.exp(t["logprob"]) for t in top[:2])
-            if abs(mass - 1.0) > 1e-3:
-                raise VLLMError(f"{s.url} reports raw logprobs (top-2 mass {mass:.4f} under "
-                                "top_k=2): start it with --logprobs-mode processed_logprobs")
+            try:
+                await self._check(s)
+                await self._reset(s)
+                reachable += 1
+            except ServerDown as e:
+                s.mark_down(str(e))
+                log.warning("vLLM server %s not reachable yet: %s", s.url, e)
+        if not reachable:
+            log.warning("no vLLM server reachable; waiting for one")
+        self._tasks = [asyncio.create_task(self._metrics_loop()),
+                       asyncio.create_task(self._recovery_loop())]
+
+    async def _check(self, s: Server) -> None:
+        models = await self._call(s, "GET", "/v1/models")
+        entries = {m["id"]: m for m in (models or {}).get("data", [])}
+        if self.model not in entries:
+            raise EngineError(f"{s.url} serves {sorted(entries)}, not {self.model!r}")
+        max_len = int(entries[self.model].get("max_model_len") or 0)
+        try:
+            probe = await self._generate_once(s, [1], 1, {"max_tokens": 1, "temperature": 1.0,
+                                                          "top_k": 2, "logprobs": 2})
+        except VLLMError as e:
+            if e.status != 404:
+                raise EngineError(f"{s.url}: probe request refused: {e}") from e
+            s.completions_api = True
+            log.warning("%s has no /inference/v1/generate (start it with "
+                        "--enable-scale-out for per-token versions); using /v1/completions",
+                        s.url)
+            probe = await self._generate_once(s, [1], 1, {"max_tokens": 1, "temperature": 1.0,
+                                                          "top_k": 2, "logprobs": 2})
+        top = self._top_logprobs(s, probe)
+        mass = sum(math.exp(lp) for lp in top[:2])
+        if abs(mass - 1.0) > 1e-3:
+            raise EngineError(f"{s.url} reports raw logprobs (top-2 mass {mass:.4f} under "
+                              "top_k=2): start it with --logprobs-mode processed_logprobs")
+        m = parse_metrics(await self._call(s, "GET", "/metrics"))
+        if self.lora_prefix and (m.max_loras or 0) < self.keep_adapters + 1:
+            raise EngineError(
+                f"{s.url}: LoRA run keeps {self.keep_adapters} adapter versions loaded and "
+                f"needs --enable-lora --max-loras >= {self.keep_adapters + 1} "
+                f"(= max_staleness + 2); the server has max_loras={m.max_loras}")
+        s.cap = initial_cap(m.kv_cache_tokens, max_len, s.ceiling)
+        s.max_model_len = max_len
 
     async def close(self) -> None:
+        self._closing = True
+        self._changed.set()
+        if self._background:
+            await asyncio.wait(self._background, timeout=10)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
         if self.session is not None:
             await self.session.close()
             self.session = None
 
+    def health(self) -> dict[str, object]:
+        up = [s for s in self.servers if s.healthy]
+        return {"healthy": bool(up), "servers_up": len(up), "servers": len(self.servers),
+                "retries": self.retries, "failed_requests": self.failed_requests,
+                "caps": {s.url: s.cap for s in self.servers},
+                "inflight": {s.url: s.inflight for s in self.servers},
+                "down": {s.url: s.last_error[:200] for s in self.servers if not s.healthy}}
+
+    # ----------------------------------------------------------------- routing
+    async def _acquire(self, n: int) -> Server:
+        """A healthy server with room for ``n`` sequences (a request larger than a whole
+        cap may go to an idle server); waits while none has room."""
+        wait_s = 0.05
+        while True:
+            if self._closing:
+                raise EngineError("engine closed")
+            room = [s for s in self.servers
+                    if s.healthy and (s.inflight + n <= s.cap or s.inflight == 0)]
+            if room:
+                s = min(room, key=lambda x: (x.inflight + n) / max(x.cap, 1))
+                s.inflight += n
+                return s
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), wait_s)
+            except TimeoutError:
+                wait_s = min(wait_s * 2, self.backoff_max_s)
+
+    def _release(self, s: Server, n: int, adapter: str | None) -> None:
+        s.inflight -= n
+        if adapter is not None:
+            s.adapter_users[adapter] = s.adapter_users.get(adapter, 1) - 1
+        self._changed.set()
+
     # ----------------------------------------------------------------- generation
-    def _pick(self) -> Server:
-        return min(self.servers, key=lambda s: s.inflight)
-
-    async def _request(self, s: Server, prompt: list[int], n: int,
-                       sampling: dict[str, Any]) -> Any:
-        body = {"request_id": uuid.uuid4().hex, "token_ids": prompt, "model": self.model,
-                "output_mode": "tokens",
-                "sampling_params": {"n": n, "seed": self.rng.randrange(2**31), **sampling}}
-        s.inflight += 1
-        try:
-            return await self._post(s, "/inference/v1/generate", body)
-        finally:
-            s.inflight -= 1
-
     @staticmethod
     def sampling(params: SamplingParams) -> dict[str, Any]:
         out: dict[str, Any] = {"max_tokens": params.max_new_tokens, "logprobs": 1}
@@ -123,24 +236,88 @@ class VLLMEngine:
             out["top_p"] = params.top_p
         return out
 
-    def _versions(self, spans: list[dict[str, Any]], length: int) -> np.ndarray:
-        v = np.full(length, self.initial_version, dtype=np.int32)
+    async def _generate_once(self, s: Server, prompt: list[int], n: int,
+                             sampling: dict[str, Any], model: str | None = None) -> Any:
+        seed = self.rng.randrange(2**31)
+        if s.completions_api:
+            body = {"model": model or self.model, "prompt": prompt, "n": n, "seed": seed,
+                    "return_token_ids": True, **sampling}
+            return await self._call(s, "POST", "/v1/completions", body)
+        body = {"request_id": uuid.uuid4().hex, "token_ids": prompt,
+                "model": model or self.model, "output_mode": "tokens",
+                "sampling_params": {"n": n, "seed": seed, **sampling}}
+        return await self._call(s, "POST", "/inference/v1/generate", body)
+
+    @staticmethod
+    def _top_logprobs(s: Server, res: Any) -> list[float]:
+        lp = res["choices"][0]["logprobs"]
+        if s.completions_api:
+            return list(lp["top_logprobs"][0].values())
+        return [t["logprob"] for t in lp["content"][0]["top_logprobs"]]
+
+    def _versions(self, s: Server, spans: list[dict[str, Any]] | None, length: int,
+                  sent_version: int) -> np.ndarray:
+        v = np.full(length, sent_version, dtype=np.int32)
+        if s.completions_api or self.lora_prefix:
+            return v  # no per-token labels: the version the request was sent under
         for span in spans or []:
             label = str(span["version"])
-            ver = self.initial_version if label == INITIAL_LABEL else int(label)
+            if label == INITIAL_LABEL:
+                if sent_version != self.initial_version:  # sent after a swap, yet initial
+                    raise ServerDown(f"{s.url} answers with its initial weights after a swap "
+                                     f"to v{sent_version}: it restarted")
+                ver = self.initial_version
+            else:
+                ver = int(label)
             v[int(span["start"]):int(span["end"])] = ver
         return v
 
-    def _completion(self, choice: dict[str, Any]) -> Completion:
-        ids = np.asarray(choice["token_ids"], dtype=np.int32)
-        content = (choice.get("logprobs") or {}).get("content") or []
-        if len(content) != len(ids):
-            raise VLLMError(f"{len(content)} logprobs for {len(ids)} tokens")
-        lps = np.asarray([c["logprob"] for c in content], dtype=np.float32)
+    def _completion(self, s: Server, choice: dict[str, Any], sent_version: int) -> Completion:
+        if s.completions_api:
+            ids = np.asarray(choice["token_ids"], dtype=np.int32)
+            lps = np.asarray(choice["logprobs"]["token_logprobs"], dtype=np.float32)
+        else:
+            ids = np.asarray(choice["token_ids"], dtype=np.int32)
+            content = (choice.get("logprobs") or {}).get("content") or []
+            lps = np.asarray([c["logprob"] for c in content], dtype=np.float32)
+        if len(lps) != len(ids):
+            raise VLLMError(f"{s.url}: {len(lps)} logprobs for {len(ids)} tokens")
         reason = "stop" if choice.get("finish_reason") == "stop" else "length"
-        return Completion(token_ids=ids, logprobs=lps,
-                          versions=self._versions(choice.get("weight_versions"), len(ids)),
-                          finish_reason=reason)
+        return Completion(token_ids=ids, logprobs=lps, finish_reason=reason,
+                          versions=self._versions(s, choice.get("weight_versions"), len(ids),
+                                                  sent_version))
+
+    async def _prompt(self, prompt: list[int], n: int, sampling: dict[str, Any]
+                      ) -> list[Completion]:
+        failures = 0
+        while True:
+            s = await self._acquire(n)
+            adapter = s.adapters[-1][1] if self.lora_prefix and s.adapters else None
+            sent_version = s.adapters[-1][0] if adapter else s.version
+            if adapter is not None:
+                s.adapter_users[adapter] = s.adapter_users.get(adapter, 0) + 1
+            try:
+                res = await self._generate_once(s, prompt, n, sampling, adapter)
+                choices = sorted(res["choices"], key=lambda c: c["index"])
+                if len(choices) != n:
+                    raise VLLMError(f"{s.url}: {len(choices)} choices for n={n}")
+                return [self._completion(s, c, sent_version) for c in choices]
+            except ServerDown as e:
+                failures += 1
+                self.retries += 1
+                s.mark_down(str(e))
+                log.warning("vLLM request failed (%d/%d), server out of rotation: %s",
+                            failures, self.request_attempts, e)
+                if failures >= self.request_attempts:
+                    self.failed_requests += 1
+                    raise EngineError(f"{failures} attempts failed; last: {e}") from e
+                await asyncio.sleep(min(self.backoff_max_s, 0.1 * 2 ** failures))
+            except (VLLMError, KeyError, TypeError, ValueError) as e:
+                self.failed_requests += 1
+                raise EngineError(f"vLLM request refused or malformed answer: {e}") from e
+            finally:
+                self._release(s, n, adapter)
+                self._unload_unused(s)
 
     async def generate(self, prompts: list[list[int]], n: int,
                        params: SamplingParams) -> list[list[Completion]]:
@@ -152,35 +329,158 @@ class VLLMEngine:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         sampling = self.sampling(params)
-
-        async def one(p: list[int]) -> list[Completion]:
-            res = await self._request(self._pick(), list(p), n, sampling)
-            choices = sorted(res["choices"], key=lambda c: c["index"])
-            return [self._completion(c) for c in choices]
-
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        return list(await asyncio.gather(*(self._prompt(list(p), n, sampling)
+                                           for p in prompts)))
 
     async def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[Completion]:
         res = await self.generate(prompts, 1, SamplingParams(max_new_tokens, greedy=True))
         return [g[0] for g in res]
 
     # ----------------------------------------------------------------- weights
-    async def _swap(self, s: Server, path: str, version: int) -> None:
-        t = time.perf_counter()
-        await self._post(s, "/pause?mode=keep")
-        try:
-            await self._post(s, "/collective_rpc", {"method": "reload_weights",
-                                                     "kwargs": {"weights_path": path}})
-            await self._post(s, "/update_weight_version", {"new_version": str(version)})
-            await self._post(s, "/reset_prefix_cache")
-        finally:
-            await self._post(s, "/resume")
-            s.swaps.append(time.perf_counter() - t)
+    async def load_weights(self, path: Path | str, version: int,
+                           fmt: str = "safetensors") -> bool:
+        """Swap every server in rotation to ``version``; False if not newer.
 
-    async def load_weights(self, path: str, version: int) -> bool:
-        """Reload every server from a safetensors directory; False if not newer."""
+        A server that fails its swap leaves rotation (never paused: resume is in a
+        ``finally``) and is brought to the newest version before it rejoins."""
         if version <= self.version:
             return False
-        await asyncio.gather(*(self._swap(s, path, version) for s in self.servers))
+        if (fmt == "lora") != bool(self.lora_prefix):
+            raise EngineError(f"{fmt!r} weights announced, but this engine runs "
+                              f"{'LoRA adapters' if self.lora_prefix else 'full weights'}")
+        self.current = (Path(path), version, fmt)
         self.version = version
+        await asyncio.gather(*(self._sync(s) for s in self.servers if s.healthy))
         return True
+
+    async def _sync(self, s: Server) -> None:
+        """Bring one server to `current`; on failure take it out of rotation."""
+        async with s.lock:
+            if self.current is None or s.version >= self.current[1]:
+                return
+            path, version, fmt = self.current
+            try:
+                if fmt == "lora":
+                    await self._load_adapter(s, path, version)
+                else:
+                    await self._swap(s, path, version)
+            except (ServerDown, VLLMError) as e:
+                s.mark_down(f"weight swap to v{version} failed: {e}")
+                log.warning("%s: swap to v%d failed, out of rotation: %s", s.url, version, e)
+
+    async def _swap(self, s: Server, path: Path, version: int) -> None:
+        t = time.perf_counter()
+        await self._call(s, "POST", "/pause?mode=keep")
+        try:
+            await self._call(s, "POST", "/collective_rpc",
+                             {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            await self._call(s, "POST", "/update_weight_version",
+                             {"new_version": str(version)})
+            await self._call(s, "POST", "/reset_prefix_cache")
+            s.version = version
+        finally:
+            try:
+                await self._call(s, "POST", "/resume")
+            finally:
+                s.swaps.append(time.perf_counter() - t)
+
+    async def _load_adapter(self, s: Server, path: Path, version: int) -> None:
+        name = f"{self.lora_prefix}-v{version}"
+        t = time.perf_counter()
+        await self._call(s, "POST", "/v1/load_lora_adapter",
+                         {"lora_name": name, "lora_path": str(path)})
+        s.adapters.append((version, name))
+        s.version = version
+        s.swaps.append(time.perf_counter() - t)
+        self._unload_unused(s)
+
+    def _unload_unused(self, s: Server) -> None:
+        """Unload adapters older than the newest ``keep_adapters`` once nobody uses them."""
+        if not self.lora_prefix or not s.healthy:
+            return
+        while len(s.adapters) > self.keep_adapters:
+            _v, name = s.adapters[0]
+            if s.adapter_users.get(name, 0) > 0:
+                return
+            s.adapters.pop(0)
+            s.adapter_users.pop(name, None)
+            s.unloading.add(name)
+            task = asyncio.create_task(self._unload(s, name))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _unload(self, s: Server, name: str) -> None:
+        try:
+            await self._call(s, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
+            s.unloaded.append(name)
+        except (ServerDown, VLLMError) as e:
+            log.warning("%s: unloading %s failed: %s", s.url, name, e)
+        finally:
+            s.unloading.discard(name)
+
+    async def _reset(self, s: Server) -> None:
+        """Start from a known state: a server labelled with some other version (left by an
+        earlier engine) is reloaded with the base model's weights under the initial
+        label; a LoRA run unloads adapters its run name left behind."""
+        await self._reconcile(s)
+        if self.lora_prefix:
+            for _v, name in list(s.adapters):
+                await self._call(s, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
+            s.adapters, s.version = [], self.initial_version
+        elif s.version != self.initial_version:
+            await self._swap(s, Path(self.model), self.initial_version)
+
+    async def _reconcile(self, s: Server) -> None:
+        """Re-read what a returning server actually holds (it may have restarted with
+        its initial weights, or been left paused by a swap cut short)."""
+        if (await self._call(s, "GET", "/is_paused") or {}).get("is_paused"):
+            await self._call(s, "POST", "/resume")
+        if self.lora_prefix:
+            models = await self._call(s, "GET", "/v1/models")
+            mine = sorted((int(m["id"].rsplit("-v", 1)[1]), m["id"])
+                          for m in (models or {}).get("data", [])
+                          if m["id"].startswith(self.lora_prefix + "-v"))
+            s.adapters = mine
+            s.adapter_users = {}
+            s.version = mine[-1][0] if mine else self.initial_version
+            return
+        label = str((await self._call(s, "GET", "/weight_info") or {}).get("weight_version"))
+        s.version = self.initial_version if label in (INITIAL_LABEL, "None") else int(label)
+
+    # ----------------------------------------------------------------- background
+    async def _metrics_loop(self) -> None:
+        while not self._closing:
+            for s in self.servers:
+                if not s.healthy:
+                    continue
+                try:
+                    m = parse_metrics(await self._call(s, "GET", "/metrics"))
+                except (ServerDown, VLLMError) as e:
+                    s.mark_down(str(e))
+                    continue
+                s.metrics = m
+                s.cap = next_cap(s.cap, m, s.ceiling)
+                self._changed.set()
+            await asyncio.sleep(self.metrics_interval_s)
+
+    async def _recovery_loop(self) -> None:
+        """Probe servers out of rotation with per-server exponential backoff; one that
+        answers is re-checked, given the current weights, and put back."""
+        while not self._closing:
+            now = time.monotonic()
+            for s in self.servers:
+                if s.healthy or now < s.next_probe:
+                    continue
+                try:
+                    await self._call(s, "GET", "/health")
+                    await self._check(s)
+                    await self._reconcile(s)
+                    await self._sync(s)
+                    if self.current is not None and s.version < self.current[1]:
+                        raise ServerDown(s.last_error)
+                    s.mark_up()
+                    log.info("%s back in rotation at v%d", s.url, s.version)
+                    self._changed.set()
+                except (ServerDown, VLLMError, EngineError) as e:
+                    s.back_off(str(e), self.backoff_max_s)
+            await asyncio.sleep(0.2)

@@ -1,0 +1,159 @@
+"""Starting and stopping local vLLM servers with the flags sluice needs.
+
+One place builds the command line and environment, used by `sluice up`
+(``generation.vllm.launch``), the real-vLLM tests and ``benchmarks/engines.py``, so the
+flags the README documents are the flags that run.
+
+Flags every server gets and why:
+- ``--logprobs-mode processed_logprobs``: logprobs of the distribution tokens are drawn
+  from (after temperature / top-k / top-p); the IS correction needs exactly that.
+- ``--enable-scale-out``: the token-in/token-out ``/inference/v1/generate`` route, which
+  reports per-token weight versions.
+- ``--host 127.0.0.1``: servers started here listen on loopback only.
+- LoRA runs: ``--enable-lora --max-lora-rank R --max-loras max_staleness + 2`` and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (adapters are loaded per version at run time).
+Environment: ``VLLM_SERVER_DEV_MODE=1`` (pause / reload / version routes), offline hub,
+and on CPU ``VLLM_CPU_OMP_THREADS_BIND`` = the core this server owns.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.embedded import free_port
+
+
+@dataclass
+class ServerSpec:
+    """What one local server serves and how; defaults are the CPU test settings."""
+
+    python: str
+    model: str
+    dtype: str = "float32"
+    max_model_len: int = 512
+    kv_cache_memory_bytes: int = 64 * 2**20
+    gpu_memory_utilization: float = 0.0
+    lora_rank: int = 0  # 0 = LoRA off
+    max_loras: int = 2
+    cpu_core: int | None = 0  # CPU machines: the core the server's OpenMP threads bind to
+    extra_args: list[str] = field(default_factory=list)
+
+    def command(self, port: int) -> list[str]:
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", self.model, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+               "--enforce-eager", "--logprobs-mode", "processed_logprobs",
+               "--enable-scale-out"]
+        if self.gpu_memory_utilization > 0:
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        else:
+            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes)]
+        if self.lora_rank:
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank),
+                    "--max-loras", str(self.max_loras)]
+        return cmd + list(self.extra_args)
+
+    def env(self, cache_dir: Path) -> dict[str, str]:
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
+               "VLLM_CACHE_ROOT": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+        if self.cpu_core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+        if self.lora_rank:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        return env
+
+
+class ServerError(RuntimeError):
+    """A local vLLM server did not start (the message names its log)."""
+
+
+@dataclass
+class LocalServer:
+    """A vLLM server process this code started; `stop` ends it (and only it) by PID."""
+
+    spec: ServerSpec
+    workdir: Path
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"vllm-{self.port}.log"
+
+    def start(self) -> LocalServer:
+        """Spawn the server (returns at once; `wait_ready` blocks). Reuses ``port`` when
+        set, so a restarted server comes back at the URL generators already know."""
+        if not Path(self.spec.python).exists():
+            raise ServerError(f"no vLLM environment at {self.spec.python}: run "
+                              "`bash deploy/setup.sh --vllm` (or set generation.vllm.python)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.spec.command(self.port), stdout=log, stderr=subprocess.STDOUT,
+                env=self.spec.env(self.workdir / "cache"), cwd=self.workdir,
+                start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> LocalServer:
+        assert self.proc is not None, "start() first"
+        deadline = time.time() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerError(f"vLLM server exited with {self.proc.returncode} before it "
+                                  f"was ready:\n{self.tail()}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=1).close()
+                return self
+            except OSError:
+                if time.time() > deadline:
+                    raise ServerError(f"vLLM server at {self.url} not ready within "
+                                      f"{timeout_s:.0f} s; log: {self.log_path}") from None
+                time.sleep(0.5)
+
+    def tail(self, n: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, for tests); the port is kept for a restart."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def launch(specs: list[ServerSpec], workdir: Path, timeout_s: float = 300.0) -> list[LocalServer]:
+    """Start every server at once (they load in parallel), then wait for all; on any
+    failure stop the ones already started and re-raise."""
+    servers = [LocalServer(s, workdir) for s in specs]
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(timeout_s)
+    except BaseException:
+        for s in servers:
+            s.stop(grace_s=10)
+        raise
+    return servers
