@@ -1,7 +1,9 @@
 """`sluice up`: every role as its own OS process on one machine, plus a live view.
 
-Order: embedded Redis (unless ``bus.redis_url`` is set) → trainer (publishes v0 and
-creates the consumer groups) → scorers → generators → evaluator. Roles talk only through
+Order: embedded Redis (unless ``bus.redis_url`` is set) → local vLLM servers (engine
+``vllm`` with ``generation.vllm.launch`` > 0; each generator gets its share of their
+URLs) → trainer (publishes v0 and creates the consumer groups) → scorers → generators →
+evaluator. The servers are stopped by PID after every role has exited. Roles talk only through
 Redis; this supervisor only starts them, reads heartbeats and state, and stops them.
 
 Shutdown: the trainer ends the run at ``max_steps`` with a `RunFinished` announcement,
@@ -29,6 +31,7 @@ from pipeline.config import Config
 from pipeline.embedded import EmbeddedRedis
 from pipeline.monitor import snapshot
 from pipeline.runtime import connect
+from workers.engines.vllm_server import LocalServer, ServerSpec, launch
 
 
 @dataclass
@@ -81,7 +84,8 @@ class Supervisor:
                                     start_new_session=True)
         self.children.append(Child(role, name, proc, log))
 
-    def start_roles(self, trainer_ready_s: float = 300.0) -> None:
+    def start_roles(self, trainer_ready_s: float = 300.0, vllm_urls: list[str] | None = None
+                    ) -> None:
         """Trainer first; the others once it heartbeats (it has then created the groups,
         announced its weights and cleared an old end-of-run marker)."""
         c = self.cfg
@@ -90,7 +94,12 @@ class Supervisor:
         for i in range(c.up.scorers):
             self.spawn("score", f"scorer-{i}", 1)
         for i in range(c.up.generators):
-            self.spawn("generate", f"generator-{i}", c.generation.threads)
+            extra = []
+            if vllm_urls:
+                mine = split_servers(vllm_urls, c.up.generators)[i]
+                extra = ["--set", "generation.vllm.urls=[" + ", ".join(f'"{u}"' for u in mine)
+                         + "]"]
+            self.spawn("generate", f"generator-{i}", c.generation.threads, extra)
         self.spawn("eval", "evaluator", 1, ["--every", str(self.eval_every_s)])
 
     def wait_for_trainer(self, timeout_s: float) -> None:
@@ -158,6 +167,37 @@ class Supervisor:
         if dn <= 0:
             return None, None
         return (last.reward - ref.reward) / dn, (last.exact - ref.exact) / dn
+
+
+def split_servers(urls: list[str], generators: int) -> list[list[str]]:
+    """Servers per generator: disjoint shares when there are enough (a server then has
+    one owner, so each weight version is swapped into it once), else every generator
+    uses every server (works; each version is then loaded once per generator)."""
+    if len(urls) >= generators:
+        return [urls[i::generators] for i in range(generators)]
+    return [list(urls) for _ in range(generators)]
+
+
+def vllm_specs(cfg: Config) -> list[ServerSpec]:
+    """One `ServerSpec` per server `sluice up` launches: on a CPU machine server i binds
+    core i; on a GPU machine it gets GPU i."""
+    import torch
+
+    v = cfg.generation.vllm
+    python = Path(v.python).absolute()
+    if not python.exists():
+        python = Path(__file__).resolve().parents[1] / v.python  # relative to the checkout
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    lora = cfg.model.lora
+    return [ServerSpec(python=str(python), model=str(Path(cfg.model.path).resolve()),
+                       dtype=cfg.model.dtype, max_model_len=v.max_model_len,
+                       kv_cache_memory_bytes=v.kv_cache_memory_bytes,
+                       gpu_memory_utilization=v.gpu_memory_utilization,
+                       lora_rank=lora.rank if lora else 0,
+                       max_loras=cfg.trainer.max_staleness + 2,
+                       cpu_core=None if gpus else i % (os.cpu_count() or 1),
+                       cuda_device=i % gpus if gpus else None, extra_args=list(v.extra_args))
+            for i in range(v.launch)]
 
 
 def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
@@ -256,6 +296,7 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *, fresh: bool =
     out.mkdir(parents=True, exist_ok=True)
     ensure_model(cfg)
     redis = None
+    servers: list[LocalServer] = []
     if not cfg.bus.redis_url:
         redis = EmbeddedRedis(out / "redis").start()
     sup = Supervisor(cfg, config_path, overrides, eval_every_s=eval_every_s)
@@ -264,7 +305,13 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *, fresh: bool =
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        sup.start_roles()
+        urls: list[str] = []
+        if cfg.generation.engine == "vllm" and cfg.generation.vllm.launch:
+            print(f"starting {cfg.generation.vllm.launch} vLLM server(s); logs in {out}/vllm",
+                  file=sys.stderr)
+            servers = launch(vllm_specs(cfg), out / "vllm", cfg.generation.vllm.start_timeout_s)
+            urls = [s.url for s in servers]
+        sup.start_roles(vllm_urls=urls)
         reason = loop.run_until_complete(supervise(sup, stop))
         if reason == "finished":
             # every role exits on RunFinished; give them time to flush, then insist
@@ -286,6 +333,8 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *, fresh: bool =
         return 0 if ok and not failed and done else 1
     finally:
         sup.terminate(grace_s=5)
+        for server in servers:
+            server.stop()
         if redis is not None:
             redis.stop()
         loop.close()

