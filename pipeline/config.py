@@ -125,7 +125,13 @@ class VLLMConfig(_Section):
     """Ceiling of the exponential backoff while no server is usable."""
     weight_transfer: Literal["file", "nccl"] = "file"
     """`file`: servers reload each announced version from the weight store (shared disk).
-    `nccl`: GPU only; weights are broadcast from trainer rank 0 (see README)."""
+    `nccl`: GPU only, untested here; trainer rank 0 broadcasts each version to the servers
+    before announcing it, and generators reload from the store only a server that missed
+    it (see README)."""
+    nccl_master_address: str = "127.0.0.1"
+    """`nccl`: the trainer's address as the servers reach it (NCCL rendezvous)."""
+    nccl_master_port: int = Field(29517, ge=1, le=65535)
+    """`nccl`: the rendezvous port on the trainer."""
 
 
 class GenerationConfig(_Section):

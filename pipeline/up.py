@@ -89,12 +89,14 @@ class Supervisor:
         """Trainer first; the others once it heartbeats (it has then created the groups,
         announced its weights and cleared an old end-of-run marker)."""
         c = self.cfg
-        self.spawn("train", "trainer-0", c.trainer.threads)
+        urls_set = (["--set", "generation.vllm.urls=[" + ", ".join(f'"{u}"' for u in vllm_urls)
+                     + "]"] if vllm_urls else [])
+        self.spawn("train", "trainer-0", c.trainer.threads, urls_set)
         self.wait_for_trainer(trainer_ready_s)
         for i in range(c.up.scorers):
             self.spawn("score", f"scorer-{i}", 1)
         for i in range(c.up.generators):
-            extra = []
+            extra: list[str] = []
             if vllm_urls:
                 mine = split_servers(vllm_urls, c.up.generators)[i]
                 extra = ["--set", "generation.vllm.urls=[" + ", ".join(f'"{u}"' for u in mine)
@@ -178,6 +180,9 @@ def split_servers(urls: list[str], generators: int) -> list[list[str]]:
     return [list(urls) for _ in range(generators)]
 
 
+NCCL_ARGS = ["--weight-transfer-config", '{"backend": "nccl"}']
+
+
 def vllm_specs(cfg: Config) -> list[ServerSpec]:
     """One `ServerSpec` per server `sluice up` launches: on a CPU machine server i binds
     core i; on a GPU machine it gets GPU i."""
@@ -196,7 +201,9 @@ def vllm_specs(cfg: Config) -> list[ServerSpec]:
                        lora_rank=lora.rank if lora else 0,
                        max_loras=cfg.trainer.max_staleness + 2,
                        cpu_core=None if gpus else i % (os.cpu_count() or 1),
-                       cuda_device=i % gpus if gpus else None, extra_args=list(v.extra_args))
+                       cuda_device=i % gpus if gpus else None,
+                       extra_args=[*(NCCL_ARGS if v.weight_transfer == "nccl" else []),
+                                   *v.extra_args])
             for i in range(v.launch)]
 
 

@@ -97,6 +97,7 @@ class Trainer:
         self.last: dict[str, Any] = {}
         self.t_start = time.time()
         self.ref_model: torch.nn.Module | None = None
+        self.nccl: Any = None  # NCCLWeightSync when weights go to vLLM over NCCL
         if self.tc.beta > 0 and not self.lora:  # frozen reference: loaded once, never synced
             self.ref_model, _ = load_model(cfg.model.path, dtype=cfg.model.dtype)
             self.ref_model.requires_grad_(False)
@@ -184,6 +185,14 @@ class Trainer:
         return missing / max(n_rows, 1)
 
     async def publish(self, bus: Bus) -> None:
+        """Write the version to the store and announce it; with NCCL weight transfer,
+        broadcast it to the vLLM servers first, so generators find it already loaded."""
+        if self.nccl is not None and not self.nccl.broken:
+            try:
+                paused_s = await self.nccl.push(self.model.state_dict(), self.state.version)
+                self.last["nccl_pause_s"] = paused_s
+            except Exception as e:  # the store + announcement below still carry it
+                log.error("NCCL weight push of v%d failed: %s", self.state.version, e)
         if self.lora:
             msg = self.store.publish_lora(self.model, version=self.state.version,
                                           step=self.state.step, base_model=self.cfg.model.path)
@@ -216,7 +225,19 @@ class Trainer:
         self.state.trained_ids = list(self.trained)[-TRAINED_IDS_KEPT:]
         self.ckpt.save(self.model, self.optimizer, self.state)
 
+    async def start_nccl(self) -> None:
+        """GPU runs with ``generation.vllm.weight_transfer = "nccl"``: join the servers'
+        weight-transfer group as rank 0 (workers.engines.vllm_nccl; untested on CPU)."""
+        v = self.cfg.generation.vllm
+        if self.cfg.generation.engine != "vllm" or v.weight_transfer != "nccl":
+            return
+        from workers.engines.vllm_nccl import NCCLWeightSync
+
+        self.nccl = NCCLWeightSync(v.urls, v.nccl_master_address, v.nccl_master_port)
+        await self.nccl.init()
+
     async def run(self, stop: asyncio.Event) -> None:
+        await self.start_nccl()
         bus = connect(self.cfg)
         await bus.retrying(lambda: bus.ensure_group(bus.keys.scored, TRAINERS_GROUP), "group")
         Path(self.cfg.output_path).mkdir(parents=True, exist_ok=True)
@@ -259,6 +280,8 @@ class Trainer:
         finally:
             await hb.stop()
             await bus.close()
+            if self.nccl is not None:
+                await self.nccl.close()
             log.info("trainer stopped at step %d (%s)", self.state.step, finished_reason)
 
     def record(self, groups: list[ScoredGroup], metrics: dict[str, float], t0: float,

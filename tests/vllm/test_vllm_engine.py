@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
+import aiohttp
 import numpy as np
 import torch
 
@@ -105,3 +107,37 @@ def test_swap_mid_generation_tags_two_versions_then_serves_the_new_weights(
         assert c.token_ids.tolist() == hf[:len(c.token_ids)]
         assert (c.versions == 1).all()
     assert len(swaps) == 1 and 0 < swaps[0] < 5.0
+
+
+def test_concurrency_cap_starts_from_the_kv_cache_and_grows_when_idle(
+        vllm_server: VLLMServer) -> None:
+    """Start: KV-cache tokens / max_model_len (64 MiB fp32 cache of the tiny model at
+    max_model_len 512); an idle server (usage < 0.6, nothing waiting) grows it by 25%
+    per metrics read, up to the ceiling; the cap is in the heartbeat's engine health."""
+    from workers.engines.vllm_metrics import parse_metrics
+
+    async def go() -> tuple[int, list[int], dict[str, Any], int]:
+        async with aiohttp.ClientSession() as http, http.get(vllm_server.url + "/metrics") as r:
+            kv_tokens = parse_metrics(await r.text()).kv_cache_tokens
+        assert kv_tokens
+        e = VLLMEngine([vllm_server.url], vllm_server.model, max_inflight=10_000,
+                       metrics_interval_s=0.05)
+        await e.start()
+        caps = [e.servers[0].cap]
+        try:
+            for _ in range(40):
+                await asyncio.sleep(0.05)
+                if e.servers[0].cap != caps[-1]:
+                    caps.append(e.servers[0].cap)
+                if len(caps) >= 4:
+                    break
+            return kv_tokens, caps, e.health(), e.servers[0].max_model_len
+        finally:
+            await e.close()
+
+    kv_tokens, caps, health, max_len = run(go())
+    assert max_len == 512
+    assert caps[0] == kv_tokens // 512
+    assert len(caps) >= 3 and all(b == max(a + 1, int(a * 1.25)) for a, b in
+                                  itertools.pairwise(caps)), caps
+    assert next(iter(health["caps"].values())) >= caps[-1]

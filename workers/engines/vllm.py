@@ -67,7 +67,7 @@ class VLLMEngine:
                  timeout_s: float = 300.0, seed: int | None = None, max_inflight: int = 256,
                  request_attempts: int = 20, backoff_max_s: float = 10.0,
                  metrics_interval_s: float = 1.0, lora_prefix: str = "",
-                 keep_adapters: int = 0) -> None:
+                 keep_adapters: int = 0, nccl: bool = False) -> None:
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL")
         self.servers = [Server(u.rstrip("/"), ceiling=max_inflight, version=version)
@@ -82,6 +82,7 @@ class VLLMEngine:
         self.metrics_interval_s = metrics_interval_s
         self.lora_prefix = lora_prefix  # non-empty: LoRA run, adapters named <prefix>-v<N>
         self.keep_adapters = keep_adapters
+        self.nccl = nccl  # the trainer pushes weights over NCCL; disk reload is the fallback
         self.current: tuple[Path, int, str] | None = None  # newest weights (path, ver, fmt)
         self.session: aiohttp.ClientSession | None = None
         self._changed = asyncio.Event()  # a server freed room or changed state
@@ -100,7 +101,8 @@ class VLLMEngine:
                    request_attempts=v.request_attempts, backoff_max_s=v.backoff_max_s,
                    metrics_interval_s=v.metrics_interval_s,
                    lora_prefix=cfg.run.name if lora else "",
-                   keep_adapters=cfg.trainer.max_staleness + 1 if lora else 0)
+                   keep_adapters=cfg.trainer.max_staleness + 1 if lora else 0,
+                   nccl=v.weight_transfer == "nccl")
 
     # ----------------------------------------------------------------- HTTP
     async def _call(self, s: Server, method: str, path: str,
@@ -368,6 +370,8 @@ class VLLMEngine:
             try:
                 if fmt == "lora":
                     await self._load_adapter(s, path, version)
+                elif self.nccl and await self._label(s) >= version:
+                    s.version = version  # the trainer's NCCL push got there first
                 else:
                     await self._swap(s, path, version)
             except (ServerDown, VLLMError) as e:
@@ -453,8 +457,12 @@ class VLLMEngine:
             s.adapter_users = {}
             s.version = mine[-1][0] if mine else self.initial_version
             return
+        s.version = await self._label(s)
+
+    async def _label(self, s: Server) -> int:
+        """The version label the server's weights carry now."""
         label = str((await self._call(s, "GET", "/weight_info") or {}).get("weight_version"))
-        s.version = self.initial_version if label in (INITIAL_LABEL, "None") else int(label)
+        return self.initial_version if label in (INITIAL_LABEL, "None") else int(label)
 
     # ----------------------------------------------------------------- background
     async def _metrics_loop(self) -> None:

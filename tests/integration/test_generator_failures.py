@@ -1,0 +1,77 @@
+"""A group whose generation fails for good is retired `dead` with its reason, never
+half-written; the others of the same batch are appended whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pipeline.bus import Bus
+from pipeline.codec import decode_entry
+from pipeline.config import load_config
+from pipeline.embedded import EmbeddedRedis
+from pipeline.schema import RolloutGroup
+from tests.conftest import arun
+from workers.engines import Completion, EngineError, SamplingParams
+from workers.generator import Generator
+
+pytestmark = pytest.mark.integration
+
+
+class FlakyEngine:
+    """Independent requests (like the vLLM engine); the second prompt always fails."""
+
+    independent_prompts = True
+    version = 0
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def generate(self, prompts: list[list[int]], n: int,
+                       params: SamplingParams) -> list[list[Completion]]:
+        self.calls += 1
+        if self.calls == 2:
+            raise EngineError("20 attempts failed; last: connection refused")
+        ids = np.array([5, 6, 1], dtype=np.int32)
+        return [[Completion(ids, np.full(3, -1.0, np.float32), np.zeros(3, np.int32), "stop")
+                 for _ in range(n)] for _ in prompts]
+
+    def health(self) -> dict[str, Any]:
+        return {"healthy": True}
+
+
+def test_failed_group_retires_dead_with_reason_and_the_rest_are_appended(
+        redis_server: EmbeddedRedis, run_name: str, tiny_model_dir: Path,
+        tmp_path: Path) -> None:
+    cfg = load_config(None, [f"run.name={run_name}", f"run.output_dir={tmp_path}",
+                             f"bus.redis_url={redis_server.url}",
+                             f"model.path={tiny_model_dir}", "model.init=''",
+                             "generation.num_generations=4"])
+    gen = Generator(cfg, "g0")
+    gen.engine = FlakyEngine()  # type: ignore[assignment]
+
+    async def go() -> tuple[dict[str, int], list[Any], list[Any]]:
+        bus = Bus.connect(cfg.redis_url, run_name)
+        try:
+            cursors = [c for c in [await bus.admit(16) for _ in range(3)] if c is not None]
+            await gen.generate_batch(bus, cursors)
+            state = await bus.state()
+            rollouts = [decode_entry(f) for _i, f in await bus.r.xrange(bus.keys.rollouts)]
+            dlq = await bus.r.xrange(bus.keys.dlq)
+            return state, rollouts, dlq
+        finally:
+            await bus.close()
+
+    state, rollouts, dlq = arun(go())
+    assert state["cursor"] == 3 and state["generating"] == 0
+    assert state["retired"] == 1 and state["retired:dead"] == 1
+    assert len(rollouts) == 2 and all(isinstance(g, RolloutGroup) for g in rollouts)
+    assert all(len(g.rollouts) == 4 for g in rollouts)
+    (_id, fields), = dlq
+    assert b"connection refused" in fields[b"reason"] and fields[b"role"] == b"generator/g0"
+    dead_id = fields[b"group_id"].decode()
+    assert dead_id not in {g.group_id for g in rollouts}
+    assert gen.info()["dead_groups"] == 1
