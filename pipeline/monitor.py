@@ -125,6 +125,11 @@ def render_status(snap: dict[str, Any], window: int | None = None) -> Any:
         skip = {"pid", "host", "t", "version", "healthy", "started", "last", "part_sums"}
         counters = " ".join(f"{k}={v}" for k, v in w.items()
                             if k not in skip and not isinstance(v, dict | list))
+        eng = w.get("engine")
+        if isinstance(eng, dict) and "servers" in eng:  # vLLM: servers in rotation, caps
+            caps = ",".join(str(c) for c in eng.get("caps", {}).values())
+            counters += (f" servers_up={eng['servers_up']}/{eng['servers']} caps={caps}"
+                         f" retries={eng.get('retries', 0)}")
         healthy = "exited" if w.get("exited") else ("yes" if w.get("healthy") else "NO")
         workers.add_row(wid, str(w.get("pid")), str(w.get("version", "")), healthy,
                         f"{age:.1f}s", counters)
