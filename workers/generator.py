@@ -32,6 +32,7 @@ from workers.engines.transformers import TransformersEngine
 from workers.tasks import make_task, prompt_for_cursor
 
 log = logging.getLogger("sluice.generator")
+STOP_GRACE_S = 10.0  # on SIGTERM, how long admitted batches may wait for a usable server
 
 
 def render_prompt(tokenizer: object, text: str) -> list[int]:
@@ -223,8 +224,18 @@ class Generator:
         watcher = asyncio.create_task(self.watch_control(bus, stop))
         log.info("generator %s started (engine %s)", self.wid, self.cfg.generation.engine)
         try:
-            await asyncio.gather(*(self.produce(bus, stop)
-                                   for _ in range(self.cfg.generation.concurrent_batches)))
+            producers = asyncio.gather(*(self.produce(bus, stop)
+                                         for _ in range(self.cfg.generation.concurrent_batches)))
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([producers, stopping], return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            # stopping: admitted batches finish; after a grace period, requests that are
+            # still waiting for a usable server give up (their groups retire dead)
+            done, _ = await asyncio.wait([producers], timeout=STOP_GRACE_S)
+            if not done and hasattr(self.engine, "stop_waiting"):
+                log.warning("stopping: giving up on requests still waiting for a server")
+                self.engine.stop_waiting()
+            await producers
         except asyncio.CancelledError:
             pass
         finally:

@@ -75,3 +75,56 @@ def test_failed_group_retires_dead_with_reason_and_the_rest_are_appended(
     dead_id = fields[b"group_id"].decode()
     assert dead_id not in {g.group_id for g in rollouts}
     assert gen.info()["dead_groups"] == 1
+
+
+def test_generator_with_no_reachable_server_reports_unhealthy_and_stops_cleanly(
+        redis_server: EmbeddedRedis, run_name: str, tiny_model_dir: Path,
+        tmp_path: Path) -> None:
+    """Every vLLM server down: the generator waits (unhealthy in its heartbeat) instead of
+    failing groups; on SIGTERM it gives up after the grace period, retires the admitted
+    groups `dead` with the reason, and exits 0 with the books balanced."""
+    import json
+    import signal
+
+    import redis
+
+    from pipeline.embedded import free_port
+    from pipeline.keys import Keys
+    from tests.helpers import spawn_role, wait_for, write_config
+
+    cfg = write_config(tmp_path / "g.toml", f"""
+[run]
+name = "{run_name}"
+output_dir = "{tmp_path / 'run'}"
+[bus]
+redis_url = "{redis_server.url}"
+heartbeat_s = 0.3
+[model]
+path = "{tiny_model_dir}"
+[generation]
+engine = "vllm"
+batch_groups = 2
+[generation.vllm]
+urls = ["http://127.0.0.1:{free_port()}"]
+""")
+    keys = Keys(run_name)
+    r = redis.Redis.from_url(redis_server.url)
+    gen = spawn_role("generate", cfg, name="g0", log=tmp_path / "gen.log")
+    try:
+        def beat() -> dict[str, Any]:
+            raw = r.hget(keys.workers, "generator/g0")
+            return json.loads(raw) if raw else {}
+
+        wait_for(lambda: beat().get("healthy") is False, 60, "an unhealthy heartbeat")
+        assert int(r.hget(keys.state, "generating") or 0) == 2  # admitted, waiting
+        assert beat()["engine"]["servers_up"] == 0
+        gen.send_signal(signal.SIGTERM)
+        assert gen.wait(40) == 0, (tmp_path / "gen.log").read_text()[-2000:]
+    finally:
+        if gen.poll() is None:
+            gen.kill()
+    state = {k.decode(): int(v) for k, v in r.hgetall(keys.state).items()}
+    assert state["cursor"] == 2 and state.get("generating", 0) == 0
+    assert state["retired:dead"] == 2 and state["retired"] == 2
+    reasons = [f[b"reason"].decode() for _i, f in r.xrange(keys.dlq)]
+    assert len(reasons) == 2 and all("no vLLM server" in x for x in reasons), reasons

@@ -82,6 +82,7 @@ class VLLMEngine(WeightSync):
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._give_up_waiting = False  # set on shutdown: requests stop waiting for a server
         self.retries = 0
         self.failed_requests = 0
 
@@ -172,6 +173,13 @@ class VLLMEngine(WeightSync):
         s.cap = initial_cap(m.kv_cache_tokens, max_len, s.ceiling)
         s.max_model_len = max_len
 
+    def stop_waiting(self) -> None:
+        """Shutdown: requests still waiting for a usable server fail now (their groups are
+        retired dead with the reason) instead of holding the process; requests already
+        sent finish normally."""
+        self._give_up_waiting = True
+        self._changed.set()
+
     async def close(self) -> None:
         self._closing = True
         self._changed.set()
@@ -202,8 +210,8 @@ class VLLMEngine(WeightSync):
         cap may go to an idle server); waits while none has room."""
         wait_s = 0.05
         while True:
-            if self._closing:
-                raise EngineError("engine closed")
+            if self._closing or self._give_up_waiting:
+                raise EngineError("stopping, and no vLLM server had room or was up")
             room = [s for s in self.servers
                     if s.healthy and (s.inflight + n <= s.cap or s.inflight == 0)]
             if room:
