@@ -18,7 +18,9 @@ and on CPU ``VLLM_CPU_OMP_THREADS_BIND`` = the core this server owns.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import time
 import urllib.request
@@ -131,20 +133,29 @@ class LocalServer:
             return ""
 
     def kill(self) -> None:
-        """SIGKILL (a crash, for tests); the port is kept for a restart."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        """SIGKILL the server's whole process group (API server, engine core, resource
+        tracker: it runs in its own session), like a crash; the port is kept for a
+        restart."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def stop(self, grace_s: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM (vLLM shuts its children down), then SIGKILL the group after
+        ``grace_s``; also reaps children left behind by an earlier `kill`."""
+        if self.proc is None:
             return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 def launch(specs: list[ServerSpec], workdir: Path, timeout_s: float = 300.0) -> list[LocalServer]:
