@@ -47,6 +47,13 @@ def write_config(path: Path, text: str) -> Path:
     return path
 
 
+def run_header(run_name: str, output_dir: Path, redis_url: str, **bus: Any) -> str:
+    """The ``[run]`` and ``[bus]`` tables of a test config (values of ``bus`` as TOML)."""
+    extra = "".join(f"{k} = {v}\n" for k, v in bus.items())
+    return (f'[run]\nname = "{run_name}"\noutput_dir = "{output_dir}"\n'
+            f'[bus]\nredis_url = "{redis_url}"\n{extra}')
+
+
 def spawn_role(role: str, config: Path, *overrides: str, name: str | None = None,
                log: Path | None = None) -> subprocess.Popen[bytes]:
     """Start ``sluice ROLE`` as a real OS process (cwd = repo root, so tests import)."""
@@ -71,3 +78,35 @@ def wait_for(pred: Any, timeout_s: float, what: str, interval_s: float = 0.1) ->
             return v
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def check_pause_keep_swap(prompts: list[list[int]], groups: list[list[Any]], config: Any,
+                          old_logits: Any, new_logits: Any) -> None:
+    """A weight swap landed mid-batch with pause-keep semantics: versions go 0…0 1…1,
+    every completion that switched did so at the same step s ≥ 1 (one batch), and its
+    logprobs equal a cache filled by ``old_logits(ids, cache)`` over prompt + tokens[:s-1],
+    continued by ``new_logits(ids, cache)`` over the rest (tolerance 1e-4)."""
+    import torch
+    from transformers import DynamicCache
+
+    swap_steps, mixed = set(), 0
+    for prompt, group in zip(prompts, groups, strict=True):
+        for c in group:
+            v = c.versions
+            assert (np.diff(v) >= 0).all() and set(v.tolist()) <= {0, 1}
+            if not (v == 1).any():
+                continue
+            mixed += 1
+            s = int(np.argmax(v == 1))
+            assert s >= 1  # swap lands between steps, never before the first token
+            swap_steps.add(s)
+            toks = c.token_ids.tolist()
+            with torch.no_grad():
+                cache = DynamicCache(config=config)
+                old = old_logits(torch.tensor([prompt + toks[: s - 1]]), cache)
+                new = new_logits(torch.tensor([toks[s - 1: -1]]), cache)
+            lp = torch.log_softmax(torch.cat([old[0, len(prompt) - 1:], new[0]]).float(), -1)
+            want = lp.gather(-1, torch.tensor(toks)[:, None]).squeeze(-1)
+            np.testing.assert_allclose(c.logprobs, want.numpy(), atol=1e-4)
+    assert mixed >= 1
+    assert len(swap_steps) == 1  # one batch: every live row switches at the same step

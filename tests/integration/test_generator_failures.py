@@ -90,15 +90,10 @@ def test_generator_with_no_reachable_server_reports_unhealthy_and_stops_cleanly(
 
     from pipeline.embedded import free_port
     from pipeline.keys import Keys
-    from tests.helpers import spawn_role, wait_for, write_config
+    from tests.helpers import run_header, spawn_role, wait_for, write_config
 
-    cfg = write_config(tmp_path / "g.toml", f"""
-[run]
-name = "{run_name}"
-output_dir = "{tmp_path / 'run'}"
-[bus]
-redis_url = "{redis_server.url}"
-heartbeat_s = 0.3
+    cfg = write_config(tmp_path / "g.toml", run_header(
+        run_name, tmp_path / "run", redis_server.url, heartbeat_s=0.3) + f"""
 [model]
 path = "{tiny_model_dir}"
 [generation]

@@ -15,7 +15,7 @@ from pipeline.embedded import EmbeddedRedis
 from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP, Keys
 from pipeline.schema import ScoredGroup
 from tests.conftest import arun
-from tests.helpers import make_group, spawn_role, wait_for, write_config
+from tests.helpers import make_group, run_header, spawn_role, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -42,15 +42,8 @@ def test_conditional_handoff_emits_once_when_two_consumers_race(
 
 def test_scorer_killed_between_read_and_ack_group_is_reclaimed_and_emitted_once(
         redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "run.toml", f"""
-[run]
-name = "{run_name}"
-output_dir = "{tmp_path / 'out'}"
-[bus]
-redis_url = "{redis_server.url}"
-claim_idle_ms = 500
-block_ms = 100
-""")
+    cfg = write_config(tmp_path / "run.toml", run_header(
+        run_name, tmp_path / "out", redis_server.url, claim_idle_ms=500, block_ms=100))
     keys = Keys(run_name)
     r = redis.Redis.from_url(redis_server.url)
     r.xgroup_create(keys.rollouts, SCORERS_GROUP, id="0", mkstream=True)

@@ -31,7 +31,7 @@ from pipeline.keys import Keys
 from pipeline.model import load_model, model_state_for_publish
 from pipeline.schema import RolloutGroup
 from pipeline.weights import FileWeightStore
-from tests.helpers import spawn_role, wait_for, write_config
+from tests.helpers import run_header, spawn_role, wait_for, write_config
 from tests.vllm.conftest import VLLMServer
 from workers.engines.vllm import VLLMEngine
 
@@ -66,13 +66,8 @@ def test_killed_server_is_detected_and_recovered_without_losing_a_group(
         vllm_server: VLLMServer, redis_server: EmbeddedRedis, run_name: str,
         tmp_path: Path) -> None:
     out = tmp_path / "run"
-    cfg = write_config(tmp_path / "g.toml", f"""
-[run]
-name = "{run_name}"
-output_dir = "{out}"
-[bus]
-redis_url = "{redis_server.url}"
-heartbeat_s = 0.3
+    cfg = write_config(tmp_path / "g.toml", run_header(
+        run_name, out, redis_server.url, heartbeat_s=0.3) + f"""
 [model]
 path = "{vllm_server.model_dir}"
 [generation]
