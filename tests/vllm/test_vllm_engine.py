@@ -141,3 +141,28 @@ def test_concurrency_cap_starts_from_the_kv_cache_and_grows_when_idle(
     assert len(caps) >= 3 and all(b == max(a + 1, int(a * 1.25)) for a, b in
                                   itertools.pairwise(caps)), caps
     assert next(iter(health["caps"].values())) >= caps[-1]
+
+
+def test_completions_fallback_gives_the_same_tokens_logprobs_and_versions(
+        vllm_server: VLLMServer) -> None:
+    """A server driven through /v1/completions (as one without --enable-scale-out is):
+    token ids and processed logprobs as on the generate route, every token labelled with
+    the version the server held when the request was sent."""
+
+    async def go() -> list[list[Any]]:
+        e = await _engine(vllm_server)
+        e.servers[0].completions_api = True
+        try:
+            return await e.generate(PROMPTS, 3, SamplingParams(max_new_tokens=12,
+                                                              temperature=0.7))
+        finally:
+            await e.close()
+
+    groups = run(go())
+    model, _ = load_model(vllm_server.model_dir)
+    for prompt, group in zip(PROMPTS, groups, strict=True):
+        assert len(group) == 3
+        for c in group:
+            assert len(c.token_ids) == len(c.logprobs) >= 1 and (c.versions == 0).all()
+            ref = _hf_logps(model, prompt, c.token_ids, 0.7)
+            torch.testing.assert_close(torch.from_numpy(c.logprobs), ref, atol=1e-4, rtol=0)
