@@ -49,6 +49,12 @@ if TYPE_CHECKING:
     from pipeline.config import Config
 
 log = logging.getLogger("sluice.vllm")
+GENERATE_PATHS = ("/inference/v1/generate", "/v1/completions")  # request_timeout_s
+PROBE_PATHS = ("/health", "/metrics", "/v1/models", "/weight_info", "/is_paused")
+# A hung server must not stall the metrics and recovery loops; a reload of a big model
+# from disk may take a while.
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+SWAP_TIMEOUT = aiohttp.ClientTimeout(total=120.0)
 
 
 class VLLMEngine(WeightSync):
@@ -104,8 +110,11 @@ class VLLMEngine(WeightSync):
         """One HTTP call; connection problems and 5xx become `ServerDown`, other non-200
         answers `VLLMError` (the request itself is wrong: retrying cannot help)."""
         assert self.session is not None, "call start() first"
+        timeout = (self.timeout if path in GENERATE_PATHS
+                   else PROBE_TIMEOUT if path in PROBE_PATHS else SWAP_TIMEOUT)
         try:
-            async with self.session.request(method, s.url + path, json=body) as r:
+            async with self.session.request(method, s.url + path, json=body,
+                                            timeout=timeout) as r:
                 text = await r.text()
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise ServerDown(f"{s.url}{path}: {type(e).__name__}: {e}") from e
