@@ -89,18 +89,13 @@ class Supervisor:
         """Trainer first; the others once it heartbeats (it has then created the groups,
         announced its weights and cleared an old end-of-run marker)."""
         c = self.cfg
-        urls_set = (["--set", "generation.vllm.urls=[" + ", ".join(f'"{u}"' for u in vllm_urls)
-                     + "]"] if vllm_urls else [])
-        self.spawn("train", "trainer-0", c.trainer.threads, urls_set)
+        self.spawn("train", "trainer-0", c.trainer.threads, urls_override(vllm_urls or []))
         self.wait_for_trainer(trainer_ready_s)
         for i in range(c.up.scorers):
             self.spawn("score", f"scorer-{i}", 1)
         for i in range(c.up.generators):
-            extra: list[str] = []
-            if vllm_urls:
-                mine = split_servers(vllm_urls, c.up.generators)[i]
-                extra = ["--set", "generation.vllm.urls=[" + ", ".join(f'"{u}"' for u in mine)
-                         + "]"]
+            mine = split_servers(vllm_urls, c.up.generators)[i] if vllm_urls else []
+            extra = urls_override(mine)
             self.spawn("generate", f"generator-{i}", c.generation.threads, extra)
         self.spawn("eval", "evaluator", 1, ["--every", str(self.eval_every_s)])
 
@@ -169,6 +164,11 @@ class Supervisor:
         if dn <= 0:
             return None, None
         return (last.reward - ref.reward) / dn, (last.exact - ref.exact) / dn
+
+
+def urls_override(urls: list[str]) -> list[str]:
+    """``--set generation.vllm.urls=[...]`` for a role (nothing when there are none)."""
+    return ["--set", f"generation.vllm.urls={json.dumps(urls)}"] if urls else []
 
 
 def split_servers(urls: list[str], generators: int) -> list[list[str]]:

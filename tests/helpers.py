@@ -110,3 +110,21 @@ def check_pause_keep_swap(prompts: list[list[int]], groups: list[list[Any]], con
             np.testing.assert_allclose(c.logprobs, want.numpy(), atol=1e-4)
     assert mixed >= 1
     assert len(swap_steps) == 1  # one batch: every live row switches at the same step
+
+
+def up_args(config: Path, out: Path, model: Path, name: str, *sets: str) -> list[str]:
+    """``sluice up CONFIG`` into ``out`` with a model built at ``model`` (the e2e tests'
+    common overrides: 80 steps at lr 1e-3, no early stop, held-out eval every 5 s)."""
+    args = [sys.executable, "-m", "pipeline.cli", "up", str(config),
+            "--set", f"run.output_dir={out}", "--set", f"model.path={model}",
+            "--set", f"run.name={name}", "--set", "trainer.max_steps=80",
+            "--set", "trainer.lr=1e-3", "--set", "up.stop_at_eval_exact=0"]
+    for s in sets:
+        args += ["--set", s]
+    return [*args, "--eval-every", "5"]
+
+
+def role_logs(out: Path) -> str:
+    """The tail of every role's log in a run directory (for assertion messages)."""
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}"
+                     for p in sorted((out / "logs").glob("*.log")))

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, role_logs, up_args
 
 pytestmark = pytest.mark.e2e
 
@@ -19,18 +18,12 @@ def test_sluice_up_short_run_learns_balances_and_exits_cleanly(tmp_path: Path) -
     out = tmp_path / "run"
     cfg = tmp_path / "e2e.toml"
     cfg.write_text((ROOT / "examples" / "copy.toml").read_text())
-    args = [sys.executable, "-m", "pipeline.cli", "up", str(cfg),
-            "--set", f"run.output_dir={out}", "--set", f"model.path={tmp_path / 'model'}",
-            "--set", "run.name=e2e", "--set", "trainer.max_steps=80",
-            "--set", "trainer.lr=1e-3", "--set", "trainer.save_steps=25",
-            "--set", "run.max_time_s=300", "--set", "up.stop_at_eval_exact=0",
-            "--eval-every", "5"]
+    args = up_args(cfg, out, tmp_path / "model", "e2e", "trainer.save_steps=25",
+                   "run.max_time_s=300")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=420)
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}"
-                     for p in sorted((out / "logs").glob("*.log")))
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{logs}"
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
     summary = json.loads((out / "summary.json").read_text())
     c = summary["conservation"]
     assert c["balanced"], c

@@ -7,12 +7,11 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, role_logs, up_args
 from tests.vllm.conftest import vllm_python
 
 pytestmark = pytest.mark.e2e
@@ -23,18 +22,13 @@ def test_sluice_up_with_vllm_learns_copy_and_stops_its_server(tmp_path: Path) ->
     if py is None:
         pytest.skip("no vLLM server environment: run `bash deploy/setup.sh --vllm`")
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "pipeline.cli", "up", str(ROOT / "examples" / "copy_vllm.toml"),
-            "--set", f"run.output_dir={out}", "--set", f"model.path={tmp_path / 'model'}",
-            "--set", "run.name=e2e-vllm", "--set", "trainer.max_steps=80",
-            "--set", "trainer.lr=1e-3", "--set", "trainer.save_steps=40",
-            "--set", "run.max_time_s=400", "--set", "up.stop_at_eval_exact=0",
-            "--set", f"generation.vllm.python={py}", "--eval-every", "5"]
+    args = up_args(ROOT / "examples" / "copy_vllm.toml", out, tmp_path / "model", "e2e-vllm",
+                   "trainer.save_steps=40", "run.max_time_s=400",
+                   f"generation.vllm.python={py}")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}"
-                     for p in sorted((out / "logs").glob("*.log")))
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{logs}"
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
     summary = json.loads((out / "summary.json").read_text())
     c = summary["conservation"]
     assert c["balanced"] and summary["reason"] == "finished" and summary["steps"] == 80, summary

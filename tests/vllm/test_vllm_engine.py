@@ -38,31 +38,41 @@ def _hf_logps(model: torch.nn.Module, prompt: list[int], ids: np.ndarray,
     return torch.log_softmax(logits, -1).gather(-1, idx)[:, 0]
 
 
-def test_tokens_and_processed_logprobs_equal_a_transformers_forward(
-        vllm_server: VLLMServer) -> None:
-    """Tolerance 1e-4: fp32 on both sides (measured ~5e-7)."""
+def _sample_checked(srv: VLLMServer, n: int, *, completions_api: bool = False
+                   ) -> list[list[Any]]:
+    """``n`` completions of each prompt at temperature 0.7, checked: aligned arrays,
+    version 0, and every token's logprob equal to a transformers forward over the same
+    tokens (tolerance 1e-4: fp32 on both sides, measured ~5e-7)."""
 
     async def go() -> list[list[Any]]:
-        e = await _engine(vllm_server)
+        e = await _engine(srv)
+        e.servers[0].completions_api = completions_api
         try:
-            return await e.generate(PROMPTS, 4, SamplingParams(max_new_tokens=12,
+            return await e.generate(PROMPTS, n, SamplingParams(max_new_tokens=12,
                                                               temperature=0.7))
         finally:
             await e.close()
 
     groups = run(go())
-    model, _ = load_model(vllm_server.model_dir)
-    assert [len(g) for g in groups] == [4, 4]
+    model, _ = load_model(srv.model_dir)
+    assert [len(g) for g in groups] == [n] * len(PROMPTS)
     for prompt, group in zip(PROMPTS, groups, strict=True):
         for c in group:
             assert len(c.token_ids) == len(c.logprobs) == len(c.versions) >= 1
             assert (c.versions == 0).all()
-            if c.finish_reason == "stop":
-                assert c.token_ids[-1] == EOS
-            else:
-                assert len(c.token_ids) == 12
             ref = _hf_logps(model, prompt, c.token_ids, 0.7)
             torch.testing.assert_close(torch.from_numpy(c.logprobs), ref, atol=1e-4, rtol=0)
+    return groups
+
+
+def test_tokens_and_processed_logprobs_equal_a_transformers_forward(
+        vllm_server: VLLMServer) -> None:
+    groups = _sample_checked(vllm_server, 4)
+    for c in (c for g in groups for c in g):
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == EOS
+        else:
+            assert len(c.token_ids) == 12
     # a fresh seed per request: four samples of one prompt are not all identical
     assert len({tuple(c.token_ids) for c in groups[0]}) > 1
 
@@ -148,21 +158,4 @@ def test_completions_fallback_gives_the_same_tokens_logprobs_and_versions(
     """A server driven through /v1/completions (as one without --enable-scale-out is):
     token ids and processed logprobs as on the generate route, every token labelled with
     the version the server held when the request was sent."""
-
-    async def go() -> list[list[Any]]:
-        e = await _engine(vllm_server)
-        e.servers[0].completions_api = True
-        try:
-            return await e.generate(PROMPTS, 3, SamplingParams(max_new_tokens=12,
-                                                              temperature=0.7))
-        finally:
-            await e.close()
-
-    groups = run(go())
-    model, _ = load_model(vllm_server.model_dir)
-    for prompt, group in zip(PROMPTS, groups, strict=True):
-        assert len(group) == 3
-        for c in group:
-            assert len(c.token_ids) == len(c.logprobs) >= 1 and (c.versions == 0).all()
-            ref = _hf_logps(model, prompt, c.token_ids, 0.7)
-            torch.testing.assert_close(torch.from_numpy(c.logprobs), ref, atol=1e-4, rtol=0)
+    _sample_checked(vllm_server, 3, completions_api=True)

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.vllm")
 GENERATE_PATHS = ("/inference/v1/generate", "/v1/completions")  # request_timeout_s
+# One token under top-k 2 with both logprobs: processed logprobs of those two sum to 1.
+PROBE_SAMPLING = {"max_tokens": 1, "temperature": 1.0, "top_k": 2, "logprobs": 2}
 PROBE_PATHS = ("/health", "/metrics", "/v1/models", "/weight_info", "/is_paused")
 # A hung server must not stall the metrics and recovery loops; a reload of a big model
 # from disk may take a while.
@@ -157,8 +159,7 @@ class VLLMEngine(WeightSync):
             raise EngineError(f"{s.url} serves {sorted(entries)}, not {self.model!r}")
         max_len = int(entries[self.model].get("max_model_len") or 0)
         try:
-            probe = await self._generate_once(s, [1], 1, {"max_tokens": 1, "temperature": 1.0,
-                                                          "top_k": 2, "logprobs": 2})
+            probe = await self._generate_once(s, [1], 1, PROBE_SAMPLING)
         except VLLMError as e:
             if e.status != 404:
                 raise EngineError(f"{s.url}: probe request refused: {e}") from e
@@ -166,8 +167,7 @@ class VLLMEngine(WeightSync):
             log.warning("%s has no /inference/v1/generate (start it with "
                         "--enable-scale-out for per-token versions); using /v1/completions",
                         s.url)
-            probe = await self._generate_once(s, [1], 1, {"max_tokens": 1, "temperature": 1.0,
-                                                          "top_k": 2, "logprobs": 2})
+            probe = await self._generate_once(s, [1], 1, PROBE_SAMPLING)
         top = self._top_logprobs(s, probe)
         mass = sum(math.exp(lp) for lp in top[:2])
         if abs(mass - 1.0) > 1e-3:
