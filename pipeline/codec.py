@@ -4,7 +4,8 @@ Invariants:
 - Every message carries ``schema`` and ``type``; a decoder accepts exactly
   `SCHEMA_VERSION` and raises `DecodeError` (with a reason fit for the dead-letter
   stream) on anything else: wrong types, ragged lengths, non-finite floats, token ids
-  outside the vocabulary, or a payload above the size limit. Nothing is unpickled.
+  outside the vocabulary, an empty prompt (the trainer predicts the first completion
+  token from it), or a payload above the size limit. Nothing is unpickled.
 - ``decode(encode(m)) == m`` for every valid message.
 A stream entry holds one field, ``m``, with the encoded message.
 """
@@ -224,6 +225,9 @@ def _decode_group(m: dict[str, Any], limits: Limits) -> RolloutGroup:
         raise DecodeError(f"{where}: no rollouts")
     if len(ro_raw) > limits.max_rollouts:
         raise DecodeError(f"{where}: {len(ro_raw)} rollouts exceeds limit {limits.max_rollouts}")
+    pids = _token_ids(m, "pids", where, limits)
+    if not len(pids):  # the first completion token must be predicted from some context
+        raise DecodeError(f"{where}.pids: empty prompt")
     pidx = _get(m, "pidx", int, where)
     epoch = _get(m, "epoch", int, where)
     if pidx < 0 or epoch < 0:
@@ -233,7 +237,7 @@ def _decode_group(m: dict[str, Any], limits: Limits) -> RolloutGroup:
         prompt_index=pidx,
         epoch=epoch,
         prompt=_decode_prompt(_get(m, "prompt", dict, where), where),
-        prompt_ids=_token_ids(m, "pids", where, limits),
+        prompt_ids=pids,
         generator=_get(m, "gen", str, where),
         t_admit=_finite(_get(m, "t_admit", (int, float), where), f"{where}.t_admit"),
         t_done=_finite(_get(m, "t_done", (int, float), where), f"{where}.t_done"),
@@ -259,7 +263,10 @@ def _decode_scored(m: dict[str, Any], limits: Limits) -> ScoredGroup:
             raise DecodeError(f"{where}.parts: expected str -> bytes")
         if len(v) != 4 * n:
             raise DecodeError(f"{where}.parts.{k}: {len(v)} bytes for {n} rollouts")
-        parts[k] = np.frombuffer(v, dtype=_F32).astype(np.float32)  # NaN = fn gave None
+        part = np.frombuffer(v, dtype=_F32).astype(np.float32)  # NaN = fn gave None
+        if np.isinf(part).any():  # NaN has a meaning here, inf none: no reward is infinite
+            raise DecodeError(f"{where}.parts.{k}: contains inf")
+        parts[k] = part
     return ScoredGroup(
         group=g,
         rewards=_per_rollout(m, "rew", n, where, limits),
@@ -306,7 +313,8 @@ def decode(data: bytes, limits: Limits | None = None, expect: type | None = None
     if not isinstance(m, dict):
         raise DecodeError(f"message is {type(m).__name__}, not a map")
     schema = m.get("schema")
-    if schema != SCHEMA_VERSION or isinstance(schema, bool):
+    # exactly the int: 1.0 or True compare equal to 1 but are not this schema's encoding
+    if type(schema) is not int or schema != SCHEMA_VERSION:
         raise DecodeError(f"unknown schema version {schema!r} (expected {SCHEMA_VERSION})")
     kind = m.get("type")
     msg: Message

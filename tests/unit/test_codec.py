@@ -292,8 +292,9 @@ def test_map_with_integer_keys_is_rejected() -> None:
 
 
 @pytest.mark.parametrize("kind", list(MAKERS))
-@pytest.mark.parametrize("schema", [SCHEMA_VERSION + 1, 0, "1", True, None],
-                         ids=["next", "zero", "str", "true", "nil"])
+@pytest.mark.parametrize("schema", [SCHEMA_VERSION + 1, 0, "1", True, None,
+                                    float(SCHEMA_VERSION)],
+                         ids=["next", "zero", "str", "true", "nil", "float"])
 def test_unknown_schema_version_is_rejected(kind: str, schema: Any) -> None:
     reject(kind, put("schema", value=schema), r"unknown schema version .* \(expected 1\)")
 
@@ -554,6 +555,18 @@ def test_scored_reward_part_may_be_nan_but_rewards_may_not() -> None:
     d["parts"]["copy_reward"] = f32(np.nan, np.nan, np.nan)
     sg = decode(pack(d))
     assert isinstance(sg, ScoredGroup) and np.isnan(sg.reward_parts["copy_reward"]).all()
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf])
+def test_scored_reward_part_may_not_be_infinite(bad: float) -> None:
+    reject("scored", put("parts", "copy_reward", value=f32(1.0, bad, 0.0)),
+           r"parts\.copy_reward: contains inf")
+
+
+@pytest.mark.parametrize("kind", ["rollout", "scored"])
+def test_empty_prompt_is_rejected(kind: str) -> None:
+    """The trainer predicts a completion's first token from the prompt's last one."""
+    reject(kind, put("pids", value=b""), r"group 2:17\.pids: empty prompt")
 
 
 @pytest.mark.parametrize(

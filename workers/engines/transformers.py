@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
@@ -75,20 +76,43 @@ def read_weights(model: torch.nn.Module, path: Path, fmt: str) -> dict[str, torc
 
     For ``lora`` only the adapter's tensors (``model`` must be peft-wrapped); for
     ``safetensors`` the full state (``model`` must not be: its keys are the base's).
-    Raises `WeightMismatchError` on a format/model mismatch.
+    Raises `WeightMismatchError` on a format/model mismatch or an unreadable file.
     """
     if fmt not in ("safetensors", "lora"):
         raise WeightMismatchError(f"the transformers engine cannot load {fmt!r} weights")
     if fmt == "safetensors" and is_peft(model):
         raise WeightMismatchError("full weights announced for a LoRA (peft) model: "
                                   "[model.lora] must match between the trainer and this role")
-    state = load_file(str(path / weight_file(fmt)))
+    try:
+        state = load_file(str(path / weight_file(fmt)))
+    except (SafetensorError, OSError) as e:  # hash verified, yet not loadable: junk published
+        raise WeightMismatchError(f"{weight_file(fmt)} is not a readable safetensors file: "
+                                  f"{e}") from e
     if fmt == "safetensors":
+        _check_full_state(model, state)
         return state
     try:
         return adapter_to_model_keys(model, state)
     except ValueError as e:
         raise WeightMismatchError(str(e)) from e
+
+
+def _check_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Full weights must name exactly the model's tensors with the model's shapes.
+
+    Checked before a swap is queued because ``load_state_dict`` copies tensor by tensor
+    and only then reports missing keys or wrong shapes: a bad file found at the swap
+    would leave the model half old, half new, under the old version number.
+    """
+    own = model.state_dict()
+    missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    if missing or extra:
+        raise WeightMismatchError(f"weights do not match the model: missing {missing[:3]} "
+                                  f"({len(missing)}), unexpected {extra[:3]} ({len(extra)})")
+    for k, v in state.items():
+        if v.shape != own[k].shape:
+            raise WeightMismatchError(f"weight {k} has shape {tuple(v.shape)}, the model's "
+                                      f"has {tuple(own[k].shape)}")
 
 
 class TransformersEngine:
