@@ -12,7 +12,14 @@ Every stream operation of sluice goes through `Bus`. Delivery rules enforced her
   and ``XADD`` to the output only if that ack removed a pending entry. This is the
   ``MULTI {XADD; XACK}`` of DESIGN.md written as a script, so that a scorer whose entry
   was reclaimed meanwhile cannot emit the group a second time.
-- Nothing here trims unconsumed entries; streams are bounded by admission.
+- Admission leases: each admitted cursor is leased to its generator (``leases`` hash,
+  ``owner|deadline_ms``); appending or abandoning the group requires the lease and
+  releases it in the same script, and expired leases (a dead generator) are taken over.
+  So an admitted group is appended at most once and never stranded.
+- State-changing scripts are idempotent per op id (`pipeline.scripts.OP_TTL_S`): a call
+  retried after a lost reply returns the first call's result instead of acting again.
+- Nothing here trims unconsumed entries; streams are bounded by admission, and
+  `trim_acked` frees only entries the group has acknowledged.
 """
 
 from __future__ import annotations
@@ -28,12 +35,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import AuthenticationError, BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipeline import scripts as lua
 from pipeline.codec import FIELD
 from pipeline.keys import RETIRE_REASONS, Keys
+from pipeline.security import TLSFiles, client_options
 
 log = logging.getLogger("sluice.bus")
 
@@ -41,83 +50,6 @@ T = TypeVar("T")
 
 # Errors after which the connection is retried with backoff rather than crashing.
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, OSError)
-
-_RETIRE = """
--- KEYS: stream, state; ARGV: group, reason, id...
-local n = 0
-for i = 3, #ARGV do
-  n = n + redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
-end
-if n > 0 then
-  redis.call('HINCRBY', KEYS[2], 'retired', n)
-  redis.call('HINCRBY', KEYS[2], 'retired:' .. ARGV[2], n)
-end
-return n
-"""
-
-_HANDOFF = """
--- KEYS: src stream, dst stream; ARGV: group, id, field, payload
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  return redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[4])
-end
-return false
-"""
-
-_DEAD_LETTER = """
--- KEYS: src stream, state, dlq; ARGV: group, id, retire(0|1), field/value pairs...
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  local fields = {}
-  for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
-  redis.call('XADD', KEYS[3], '*', unpack(fields))
-  if ARGV[3] == '1' then
-    redis.call('HINCRBY', KEYS[2], 'retired', 1)
-    redis.call('HINCRBY', KEYS[2], 'retired:dead', 1)
-  end
-  return 1
-end
-return 0
-"""
-
-_ADMIT = """
--- KEYS: state; ARGV: window. Returns the admitted cursor value, or -1 if closed.
-local cursor = tonumber(redis.call('HGET', KEYS[1], 'cursor') or '0')
-local retired = tonumber(redis.call('HGET', KEYS[1], 'retired') or '0')
-if cursor - retired < tonumber(ARGV[1]) then
-  redis.call('HSET', KEYS[1], 'cursor', cursor + 1)
-  redis.call('HINCRBY', KEYS[1], 'generating', 1)
-  return cursor
-end
-return -1
-"""
-
-_EMIT = """
--- KEYS: rollouts, state; ARGV: field, payload. An admitted group leaves `generating`
--- and enters the stream in one step, so the conservation equation holds at any instant.
-local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
-redis.call('HINCRBY', KEYS[2], 'generating', -1)
-return id
-"""
-
-_ABANDON = """
--- KEYS: state, dlq; ARGV: field/value pairs. An admitted group that could not be generated
--- leaves `generating` and retires `dead` with its dlq record in one step.
-redis.call('XADD', KEYS[2], '*', unpack(ARGV))
-redis.call('HINCRBY', KEYS[1], 'generating', -1)
-redis.call('HINCRBY', KEYS[1], 'retired', 1)
-redis.call('HINCRBY', KEYS[1], 'retired:dead', 1)
-return 1
-"""
-
-_SET_VERSION = """
--- KEYS: state; ARGV: version. state.version only moves forward.
-local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
-if tonumber(ARGV[1]) > v then
-  redis.call('HSET', KEYS[1], 'version', ARGV[1])
-  return 1
-end
-return 0
-"""
-
 
 @dataclass
 class Entry:
@@ -143,26 +75,34 @@ class Bus:
         self.healthy = True
         self.reconnects = 0
         self._backlog: dict[tuple[str, str, str], str | None] = {}
-        self._retire = client.register_script(_RETIRE)
-        self._handoff = client.register_script(_HANDOFF)
-        self._dead = client.register_script(_DEAD_LETTER)
-        self._abandon = client.register_script(_ABANDON)
-        self._admit = client.register_script(_ADMIT)
-        self._set_version = client.register_script(_SET_VERSION)
-        self._emit = client.register_script(_EMIT)
+        self._retire = client.register_script(lua.RETIRE)
+        self._handoff = client.register_script(lua.HANDOFF)
+        self._dead = client.register_script(lua.DEAD_LETTER)
+        self._abandon = client.register_script(lua.ABANDON)
+        self._admit = client.register_script(lua.ADMIT)
+        self._set_version = client.register_script(lua.SET_VERSION)
+        self._emit = client.register_script(lua.EMIT)
+        self._renew = client.register_script(lua.RENEW)
+        self._takeover = client.register_script(lua.TAKEOVER)
+        self._trim = client.register_script(lua.TRIM_ACKED)
+        self._retire_consumer = client.register_script(lua.RETIRE_CONSUMER)
+        self._prune = client.register_script(lua.PRUNE_CONSUMERS)
 
     @classmethod
     def connect(cls, url: str, run: str, *, reconnect_max_s: float = 10.0,
-                username: str | None = None, password: str | None = None) -> Bus:
+                username: str | None = None, password: str | None = None,
+                role: str | None = None, credentials_file: str | None = None,
+                tls: TLSFiles | None = None) -> Bus:
         """Connect lazily (the first command opens the socket).
 
-        Credentials come from arguments, else ``SLUICE_REDIS_USERNAME`` /
-        ``SLUICE_REDIS_PASSWORD`` in the environment, never from argv.
+        Credentials come from arguments, else those of ``role`` from the environment or
+        the credentials file (`pipeline.security.resolve_credentials`), never from argv.
+        ``tls`` names the CA / client certificate files of a ``rediss://`` URL.
         """
         client = aioredis.from_url(
             url,
-            username=username or os.environ.get("SLUICE_REDIS_USERNAME") or None,
-            password=password or os.environ.get("SLUICE_REDIS_PASSWORD") or None,
+            **client_options(url, role=role, credentials_file=credentials_file, tls=tls,
+                             username=username, password=password),
             decode_responses=False,
             socket_connect_timeout=5,
             # no command may hang forever; blocking reads use block_ms (<= 60 s) below this
@@ -180,11 +120,15 @@ class Bus:
                        stop: asyncio.Event | None = None) -> T:
         """Run ``op`` until it succeeds, backing off exponentially (capped) on connection
         errors and marking the bus unhealthy meanwhile. Raises `asyncio.CancelledError`
-        if ``stop`` is set while waiting."""
+        if ``stop`` is set while waiting. A refused login (wrong or missing credentials:
+        redis-py's AuthenticationError is a ConnectionError) is raised at once: waiting
+        cannot fix it, and a role retrying it forever would only look slow."""
         delay = 0.05
         while True:
             try:
                 result = await op()
+            except AuthenticationError:
+                raise
             except TRANSIENT as e:
                 if self.healthy:
                     log.warning("redis unavailable during %s: %s; retrying", what, e)
@@ -260,23 +204,29 @@ class Bus:
     async def ack(self, stream: str, group: str, *ids: str) -> int:
         return int(await self.r.xack(stream, group, *ids)) if ids else 0
 
-    async def retire(self, stream: str, group: str, ids: list[str], reason: str) -> int:
-        """Ack ``ids`` and count each one whose ack took effect as retired for ``reason``."""
+    async def retire(self, stream: str, group: str, ids: list[str], reason: str,
+                     op: str) -> list[str]:
+        """Ack ``ids`` and count each one whose ack took effect as retired for ``reason``;
+        returns those ids. ``op`` names this logical call (`pipeline.scripts.OP_TTL_S`): a
+        retry with the same op returns the first call's answer."""
         if reason not in RETIRE_REASONS:
             raise ValueError(f"unknown retire reason {reason!r}")
         if not ids:
-            return 0
-        return int(await self._retire(keys=[stream, self.keys.state], args=[group, reason, *ids]))
+            return []
+        done = await self._retire(keys=[stream, self.keys.state, self.keys.op(op)],
+                                  args=[group, reason, *ids])
+        return [_s(i) for i in done or []]
 
     async def handoff(self, src: str, group: str, entry_id: str, dst: str,
-                      payload: bytes) -> str | None:
+                      payload: bytes, op: str) -> str | None:
         """Ack ``entry_id`` on ``src`` and append ``payload`` to ``dst``, atomically; the
         append happens only if this ack removed a pending entry. Returns the new id."""
-        new_id = await self._handoff(keys=[src, dst], args=[group, entry_id, FIELD, payload])
+        new_id = await self._handoff(keys=[src, dst, self.keys.op(op)],
+                                     args=[group, entry_id, FIELD, payload])
         return _s(new_id) if new_id else None
 
     async def dead_letter(self, src: str, group: str, entry: Entry, *, reason: str, role: str,
-                          retire: bool) -> bool:
+                          retire: bool, op: str) -> bool:
         """Move an entry to the dlq with the reason, ack it, and (if it was an admitted
         group) retire it as ``dead``; all in one script, at most once."""
         fields: list[Any] = [b"reason", reason.encode()[:2000], b"role", role.encode(),
@@ -284,28 +234,67 @@ class Bus:
                              b"t", str(time.time()).encode()]
         for k, v in (entry.fields or {}).items():
             fields += [b"orig:" + k, v]
-        done = await self._dead(keys=[src, self.keys.state, self.keys.dlq],
+        done = await self._dead(keys=[src, self.keys.state, self.keys.dlq, self.keys.op(op)],
                                 args=[group, entry.id, "1" if retire else "0", *fields])
         return bool(done)
 
+    async def trim_acked(self, stream: str, group: str, keep: int = 1000) -> int:
+        """Delete acknowledged entries beyond the newest ``keep`` (the janitor); returns how
+        many. Streams are bounded by admission; this only frees what is already done."""
+        return int(await self._trim(keys=[stream], args=[group, keep]))
+
+    async def retire_consumer(self, stream: str, group: str, consumer: str) -> bool:
+        """Leave the group if nothing is pending on ``consumer`` (a clean scale-down)."""
+        return bool(await self._retire_consumer(keys=[stream], args=[group, consumer]))
+
+    async def prune_consumers(self, stream: str, group: str, idle_ms: int) -> int:
+        """Remove consumers idle longer than ``idle_ms`` with nothing pending."""
+        return int(await self._prune(keys=[stream], args=[group, idle_ms]))
+
     # ------------------------------------------------------------ state, gate, workers
 
-    async def admit(self, window: int) -> int | None:
-        """Claim the next admission cursor if fewer than ``window`` groups are in flight."""
-        cursor = int(await self._admit(keys=[self.keys.state], args=[window]))
+    async def admit(self, window: int, owner: str = "anon", lease_ms: int = 60_000
+                    ) -> int | None:
+        """Claim the next admission cursor if fewer than ``window`` groups are in flight,
+        leased to ``owner`` for ``lease_ms`` (renew with `renew`)."""
+        cursor = int(await self._admit(keys=[self.keys.state, self.keys.leases],
+                                       args=[window, owner, lease_ms]))
         return None if cursor < 0 else cursor
 
-    async def emit(self, payload: bytes) -> str:
-        """Append an admitted group to ``rollouts`` (and count it out of ``generating``)."""
-        return _s(await self._emit(keys=[self.keys.rollouts, self.keys.state],
-                                   args=[FIELD, payload]))
+    async def renew(self, owner: str, cursors: list[int], lease_ms: int) -> list[int]:
+        """Extend ``owner``'s leases; returns the cursors it no longer holds."""
+        if not cursors:
+            return []
+        lost = await self._renew(keys=[self.keys.leases], args=[owner, lease_ms, *cursors])
+        return [int(c) for c in lost or []]
 
-    async def abandon(self, group_id: str, *, reason: str, role: str) -> None:
+    async def takeover(self, owner: str, lease_ms: int, max_count: int) -> list[int]:
+        """Take over up to ``max_count`` expired leases (admitted groups whose generator
+        died before appending them); the caller must generate and emit them."""
+        got = await self._takeover(keys=[self.keys.leases], args=[owner, lease_ms, max_count])
+        return [int(c) for c in got or []]
+
+    async def emit(self, payload: bytes, *, cursor: int, owner: str) -> str | None:
+        """Append the admitted group ``cursor`` to ``rollouts`` if ``owner`` still holds its
+        lease (and count it out of ``generating``); None if it does not (the lease was
+        taken over: the new owner appends it). Idempotent per (cursor, owner)."""
+        new_id = await self._emit(
+            keys=[self.keys.rollouts, self.keys.state, self.keys.leases,
+                  self.keys.op(f"emit:{cursor}:{owner}")],
+            args=[cursor, owner, FIELD, payload])
+        return _s(new_id) if new_id else None
+
+    async def abandon(self, group_id: str, *, cursor: int, owner: str, reason: str,
+                      role: str) -> bool:
         """Retire an admitted group that will never be appended (its generation failed
-        for good) as ``dead``, with a dlq record naming it and the reason."""
-        await self._abandon(keys=[self.keys.state, self.keys.dlq], args=[
-            b"reason", reason.encode()[:2000], b"role", role.encode(),
-            b"group_id", group_id.encode(), b"t", str(time.time()).encode()])
+        for good) as ``dead``, with a dlq record naming it and the reason; only while
+        ``owner`` holds its lease. Idempotent per (cursor, owner)."""
+        done = await self._abandon(
+            keys=[self.keys.state, self.keys.dlq, self.keys.leases,
+                  self.keys.op(f"abandon:{cursor}:{owner}")],
+            args=[cursor, owner, b"reason", reason.encode()[:2000], b"role", role.encode(),
+                  b"group_id", group_id.encode(), b"t", str(time.time()).encode()])
+        return bool(done)
 
     async def set_version(self, version: int) -> bool:
         return bool(await self._set_version(keys=[self.keys.state], args=[version]))

@@ -54,10 +54,77 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
     p.add_argument("--watch", type=float, default=0.0, metavar="S", help="refresh every S s")
 
+    p = sub.add_parser("audit", help="check a run's delivery history (ledgers) for losses, "
+                       "duplicates, stale training and counter drift")
+    p.add_argument("run_dir", help="the run's output_dir (holds ledger/)")
+    p.add_argument("--config", default=None, help="run TOML: compare with its Redis counters "
+                   "(default: run_dir/state.json, written when `sluice up` stops)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--drained", action="store_true",
+                   help="also require that no admitted group is still in flight")
+
     p = sub.add_parser("init-model", help="build the tiny char-level Qwen2 model and tokenizer")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("acl", help="render deploy/redis/users.acl: one Redis user per role, "
+                       "fresh passwords (users.acl + credentials.toml, mode 0600)")
+    _config_args(p, required=False)
+    p.add_argument("--out", required=True, metavar="DIR", help="where to write both files")
+    p.add_argument("--all-runs", action="store_true",
+                   help="users for every run on the server, not only run.name's keys")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite existing credentials (rotates every password)")
     return ap
+
+
+def _check_credentials(cfg: Config, cmd: str) -> None:
+    """Resolve the credentials and TLS files of every role the command will run, so a
+    missing, unreadable or too widely readable file fails now, naming the problem."""
+    from pipeline.runtime import redis_options
+    from pipeline.security import COMMAND_ROLES, CredentialsError, credentials_path
+
+    if cmd == "up":
+        if not cfg.bus.redis_url and credentials_path(cfg.bus.credentials_file):
+            raise CredentialsError("the embedded Redis of `sluice up` has no ACL users; set "
+                                   "bus.redis_url to a Redis started with the rendered "
+                                   "users.acl, or unset the credentials file")
+        for role in ("trainer", "scorer", "generator", "evaluator", "monitor"):
+            redis_options(cfg, role)
+    elif cmd in COMMAND_ROLES:
+        redis_options(cfg, COMMAND_ROLES[cmd])
+
+
+def _acl(cfg: Config, args: argparse.Namespace) -> int:
+    from pipeline.acl import make_acl
+
+    done = make_acl(args.out, None if args.all_runs else cfg.run.name, force=args.force)
+    print(f"wrote {done.acl_file} (ACL users, passwords as sha256)\n"
+          f"wrote {done.credentials_file} (the passwords, mode 0600)\n"
+          f"start Redis with:  redis-server --aclfile {done.acl_file.resolve()} ...\n"
+          f"and give sluice:   bus.credentials_file = \"{done.credentials_file.resolve()}\"")
+    return 0
+
+
+def _check_role_inputs(cfg: Config, cmd: str) -> None:
+    """What a role loads first, checked before it starts: a wrong ``model.path`` or reward
+    import path fails here naming the key, not as a traceback from inside the role.
+    (`sluice up` builds a missing model itself when ``model.init`` says so.)"""
+    from pathlib import Path
+
+    model = Path(cfg.model.path)
+    if cmd in ("generate", "train", "eval") and not (model / "config.json").is_file():
+        raise ConfigError(f"model.path: no model at {model.resolve()} (no config.json); "
+                          "point it at a local model directory, or build the tiny one with "
+                          "`sluice init-model DIR`")
+    if cmd == "score":
+        from workers.rewards import load_reward
+
+        for i, spec in enumerate(cfg.scoring.rewards):
+            try:
+                load_reward(spec.fn, spec.weight)
+            except ValueError as e:
+                raise ConfigError(f"scoring.rewards.{i}.fn: {e}") from None
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -72,7 +139,7 @@ def _status(cfg: Config, as_json: bool, watch_s: float) -> int:
     from pipeline.runtime import connect
 
     async def once() -> dict:
-        bus = connect(cfg)
+        bus = connect(cfg, role="monitor")
         try:
             return await snapshot(bus)
         finally:
@@ -101,7 +168,7 @@ def _tail(cfg: Config, stream: str, from_start: bool, count: int | None) -> int:
     from pipeline.runtime import connect
 
     async def go() -> None:
-        bus = connect(cfg)
+        bus = connect(cfg, role="monitor")
         try:
             await tail(bus, stream, from_start=from_start, count=count,
                        out=lambda s: print(s, flush=True))
@@ -115,6 +182,42 @@ def _tail(cfg: Config, stream: str, from_start: bool, count: int | None) -> int:
     return 0
 
 
+def _audit(args: argparse.Namespace) -> int:
+    """Exit 0 if the history is clean, 1 with the violations listed otherwise."""
+    from pathlib import Path
+
+    from pipeline.audit import LiveView, audit, live_view
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "ledger").is_dir():
+        raise ValueError(f"{run_dir} has no ledger/ directory (run.ledger = false, or not a "
+                         "run's output_dir)")
+    state, num_generations, live = None, None, None
+    if args.config:
+        cfg = load_config(args.config, args.overrides)
+        num_generations = cfg.generation.num_generations
+
+        async def fetch() -> LiveView:
+            from pipeline.runtime import connect
+
+            bus = connect(cfg, role="monitor")
+            try:
+                return await live_view(bus)
+            finally:
+                await bus.close()
+
+        live = asyncio.run(fetch())
+    elif (run_dir / "state.json").is_file():
+        saved = json.loads((run_dir / "state.json").read_text())
+        state, num_generations = saved["state"], saved.get("num_generations")
+    report = audit(run_dir, state, num_generations=num_generations, drained=args.drained,
+                   live=live)
+    print(report.summary())
+    if state is None and live is None:
+        print("(counters not checked: give --config, or run_dir/state.json)")
+    return 0 if report.ok else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -123,8 +226,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(init_tiny_model(args.dir, seed=args.seed))
             return 0
+        if args.cmd == "audit":
+            return _audit(args)
         cfg = _load(args)
-    except (ConfigError, ValueError) as e:
+        if args.cmd == "acl":
+            return _acl(cfg, args)
+        _check_credentials(cfg, args.cmd)
+        _check_role_inputs(cfg, args.cmd)
+    except (ConfigError, ValueError, FileExistsError) as e:
         print(f"sluice: {e}", file=sys.stderr)
         return 2
     if args.cmd == "up":

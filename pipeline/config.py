@@ -33,12 +33,26 @@ class RunConfig(_Section):
     """Seeds the prompt order, model init and sampling."""
     max_time_s: float = Field(0.0, ge=0)
     """`sluice up` stops the run after this many seconds (0 = no limit)."""
+    ledger: bool = True
+    """Every role appends its delivery events to ``output_dir/ledger/*.jsonl`` (about
+    0.5 KB per group in all) so `sluice audit` can check the run's whole history."""
 
 
 class BusConfig(_Section):
     redis_url: str = ""
     """redis://, rediss:// or unix:// URL; empty = `sluice up` embeds a Redis on a unix
     socket in output_dir and every role started by it uses that."""
+    credentials_file: str = ""
+    """TOML file of per-role Redis users and passwords, as `sluice acl` writes it (refused
+    if group/world readable); empty = ``SLUICE_REDIS_CREDENTIALS_FILE``, else credentials
+    from the environment (README: Security). Never put a password in redis_url."""
+    tls_ca_file: str = ""
+    """rediss:// only: PEM CA bundle the server's certificate must chain to (empty = the
+    system's CAs); the hostname is always checked."""
+    tls_cert_file: str = ""
+    """rediss:// only: PEM client certificate, for servers with ``tls-auth-clients yes``."""
+    tls_key_file: str = ""
+    """rediss:// only: PEM private key of tls_cert_file (empty = inside tls_cert_file)."""
     block_ms: int = Field(1000, ge=10, le=60_000)
     """How long a blocking stream read waits before the loop checks for shutdown."""
     claim_idle_ms: int = Field(30_000, ge=100)
@@ -53,6 +67,17 @@ class BusConfig(_Section):
     """Ceiling of the exponential reconnect backoff."""
     control_maxlen: int = Field(1000, ge=10)
     """Approximate length cap of the control stream (announcements only)."""
+    keep_acked: int = Field(1000, ge=0)
+    """Acknowledged entries kept at the end of ``rollouts`` and ``scored`` for `sluice tail`;
+    older acknowledged entries are trimmed (never a pending or undelivered one)."""
+
+    @model_validator(mode="after")
+    def _check_security(self) -> BusConfig:
+        from pipeline.security import TLSFiles, check_bus_url
+
+        check_bus_url(self.redis_url, TLSFiles(self.tls_ca_file, self.tls_cert_file,
+                                               self.tls_key_file))
+        return self
 
 
 class LoraConfig(_Section):
@@ -139,6 +164,10 @@ class GenerationConfig(_Section):
     """`transformers` (in-process, small models) or `vllm` (HTTP to vLLM servers)."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """Settings of the `vllm` engine (`[generation.vllm]`)."""
+    lease_s: float = Field(60.0, ge=1, le=3600)
+    """An admitted group is leased to its generator, which renews the lease every third
+    of this while it works; a group whose generator died is taken over by another (or the
+    restarted) generator after this long, so an admitted group is never stranded."""
     num_generations: int = Field(8, ge=2, le=1024)
     """Completions per prompt (one group)."""
     max_new_tokens: int = Field(8, ge=1)
@@ -343,6 +372,10 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             data = tomllib.loads(p.read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {p}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text, so not TOML: {e}") from None
+        except OSError as e:  # a directory, no permission, …
+            raise ConfigError(f"{p}: cannot read the config file: {e.strerror or e}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
     for assignment in overrides:

@@ -57,6 +57,15 @@ class Keys:
     def workers(self) -> str:
         return f"{self.prefix}:workers"
 
+    @property
+    def leases(self) -> str:
+        """Hash cursor -> "owner|deadline_ms" of admitted groups not yet appended."""
+        return f"{self.prefix}:leases"
+
+    def op(self, op_id: str) -> str:
+        """Result of one idempotent script call, kept `pipeline.bus.OP_TTL_S` seconds."""
+        return f"{self.prefix}:op:{op_id}"
+
     def stream(self, name: str) -> str:
         """Full key of a stream given its short name (``rollouts``, ``scored``, …)."""
         if name not in ("rollouts", "scored", "control", "dlq"):

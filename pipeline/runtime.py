@@ -21,6 +21,7 @@ from typing import Any
 from pipeline.bus import Bus
 from pipeline.config import Config
 from pipeline.schema import Limits
+from pipeline.security import TLSFiles, client_options
 
 log = logging.getLogger("sluice")
 
@@ -43,7 +44,14 @@ def set_threads(n: int) -> None:
         torch.set_num_interop_threads(1)
 
 
+_process_role: str | None = None  # set by `run_role`; None in tests and tools
+
+
 def run_role(main: Callable[[asyncio.Event], Awaitable[Any]], role: str) -> Any:
+    """Run a role process. ``role`` is also its Redis identity: `connect` uses that
+    role's credentials unless told otherwise."""
+    global _process_role
+    _process_role = role
     setup_logging(role)
 
     async def runner() -> Any:
@@ -61,8 +69,23 @@ def run_role(main: Callable[[asyncio.Event], Awaitable[Any]], role: str) -> Any:
         return asyncio.run(runner())
 
 
-def connect(cfg: Config) -> Bus:
-    return Bus.connect(cfg.redis_url, cfg.run.name, reconnect_max_s=cfg.bus.reconnect_max_s)
+def tls_files(cfg: Config) -> TLSFiles:
+    return TLSFiles(cfg.bus.tls_ca_file, cfg.bus.tls_cert_file, cfg.bus.tls_key_file)
+
+
+def connect(cfg: Config, role: str | None = None) -> Bus:
+    """The run's bus, logged in as ``role`` (default: this process's role, `run_role`):
+    each role gets its own ACL user when credentials are configured (README: Security)."""
+    return Bus.connect(cfg.redis_url, cfg.run.name, reconnect_max_s=cfg.bus.reconnect_max_s,
+                       role=role or _process_role, credentials_file=cfg.bus.credentials_file,
+                       tls=tls_files(cfg))
+
+
+def redis_options(cfg: Config, role: str | None = None) -> dict[str, Any]:
+    """``from_url`` keyword arguments for a plain (sync) redis-py client of ``role``,
+    with the same credentials and TLS files as `connect`."""
+    return client_options(cfg.redis_url, role=role or _process_role,
+                          credentials_file=cfg.bus.credentials_file, tls=tls_files(cfg))
 
 
 def model_vocab_size(model_path: str) -> int | None:
@@ -114,6 +137,7 @@ class Heartbeat:
     async def beat(self, **extra: Any) -> None:
         try:
             await self.bus.heartbeat(self.wid, {"healthy": self.bus.healthy,
+                                                "reconnects": self.bus.reconnects,
                                                 "started": self.started, **self.info(),
                                                 **extra})
         except Exception as e:

@@ -30,7 +30,8 @@ from typing import Any
 from pipeline.config import Config
 from pipeline.embedded import EmbeddedRedis
 from pipeline.monitor import snapshot
-from pipeline.runtime import connect
+from pipeline.runtime import connect, redis_options
+from pipeline.security import COMMAND_ROLES, env_for_role
 from workers.engines.vllm_server import LocalServer, ServerSpec, launch
 
 
@@ -76,7 +77,10 @@ class Supervisor:
         for o in [*self.overrides, f"bus.redis_url={self.cfg.redis_url}"]:
             args += ["--set", o]
         args += ["--name", name, *(extra or [])]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+        # each child logs in as its own role (pipeline.security): it reads its own entry of
+        # the credentials file, and inherits no other role's password from the environment
+        env = {**env_for_role(os.environ, COMMAND_ROLES[role]),
+               "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                "PYTHONUNBUFFERED": "1"}
         with open(log, "ab") as f:
@@ -104,7 +108,8 @@ class Supervisor:
 
         from pipeline.keys import Keys
 
-        client = sync_redis.Redis.from_url(self.cfg.redis_url)
+        client = sync_redis.Redis.from_url(self.cfg.redis_url,
+                                           **redis_options(self.cfg, "monitor"))
         key = Keys(self.cfg.run.name).workers
         deadline = time.time() + timeout_s
         trainer = self.children[0]
@@ -236,7 +241,7 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     cfg = sup.cfg
-    bus = connect(cfg)
+    bus = connect(cfg, role="monitor")
     console = Console(stderr=True)
     live = console.is_terminal
     progress = Progress(TextColumn("[bold]sluice[/]"), BarColumn(), TextColumn("{task.fields[s]}"),
@@ -330,6 +335,7 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *, fresh: bool =
         from pipeline.report import summarize
 
         ok = summarize(cfg, sup, snap, reason)
+        ok = loop.run_until_complete(audit_run(cfg)) and ok
         failed = [c for c in sup.children if c.proc.returncode not in (0, -signal.SIGTERM)]
         for c in failed:
             print(f"\n{c.name} exited with {c.proc.returncode}; last lines of {c.log}:\n"
@@ -347,8 +353,29 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *, fresh: bool =
         loop.close()
 
 
+async def audit_run(cfg: Config) -> bool:
+    """Save the final counters next to the ledgers (for a later `sluice audit`) and check
+    the run's whole history, with where its unfinished groups are; prints one line, and
+    returns False on any violation."""
+    if not cfg.run.ledger:
+        return True
+    from pipeline.audit import audit, live_view
+
+    bus = connect(cfg, role="monitor")
+    try:
+        live = await live_view(bus)
+    finally:
+        await bus.close()
+    out = cfg.output_path
+    (out / "state.json").write_text(json.dumps(
+        {"state": live.state, "num_generations": cfg.generation.num_generations}))
+    report = audit(out, live=live, num_generations=cfg.generation.num_generations)
+    print(f"ledger audit ({out}/ledger): {report.summary()}", file=sys.stderr)
+    return report.ok
+
+
 async def _final_snapshot(cfg: Config) -> dict[str, Any]:
-    bus = connect(cfg)
+    bus = connect(cfg, role="monitor")
     try:
         return await snapshot(bus)
     finally:

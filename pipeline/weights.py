@@ -152,6 +152,9 @@ class FileWeightStore:
         of its weight file (``model.safetensors``, or the adapter file of a LoRA store)."""
         directory = self.path_of(msg.uri)
         path = directory / weight_file(msg.format)
+        if not path.resolve().is_relative_to(self.root):  # a symlinked file inside the store
+            raise WeightError(f"weights v{msg.version}: {path} resolves outside the weight "
+                              f"store {self.root}")
         if not path.is_file():
             raise WeightError(f"weights v{msg.version}: {path} does not exist")
         digest = sha256_file(path)

@@ -128,3 +128,101 @@ def role_logs(out: Path) -> str:
     """The tail of every role's log in a run directory (for assertion messages)."""
     return "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}"
                      for p in sorted((out / "logs").glob("*.log")))
+
+
+
+class RedisProcess:
+    """A redis-server a test starts with its own arguments (ACL file, TLS ports): always
+    on 127.0.0.1, no persistence, ended by PID in `stop` (also on ``with`` exit).
+
+    Ready means the server answered a PING on ``url`` (with ``client_options``), or
+    answered it by asking for a login (``default`` user off): either way it is serving.
+    """
+
+    def __init__(self, data_dir: Path, args: list[str], url: str, **client_options: Any):
+        self.data_dir, self.args, self.url = data_dir, args, url
+        self.client_options = client_options
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 10.0) -> RedisProcess:
+        import redis
+
+        from pipeline.embedded import find_redis_server
+
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("already started (a second server would leak the first)")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = self.data_dir / "redis.log"
+        self.proc = subprocess.Popen(
+            [find_redis_server(), "--bind", "127.0.0.1", "--protected-mode", "yes",
+             "--dir", str(self.data_dir), "--save", "", "--appendonly", "no",
+             "--logfile", str(log), *self.args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited at start:\n"
+                                   f"{log.read_text()[-2000:] if log.exists() else ''}")
+            client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5,
+                                          **self.client_options)
+            try:
+                client.ping()
+                return self
+            except redis.AuthenticationError:
+                return self
+            except (redis.ConnectionError, OSError):
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"redis-server did not answer on {self.url}") from None
+                time.sleep(0.05)
+            finally:
+                client.close()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> RedisProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    """Run the openssl command line (tests check it is on PATH first)."""
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_certs(d: Path) -> None:
+    """A self-signed CA; a server certificate for 127.0.0.1/localhost and a client
+    certificate, both signed by it (EC P-256: fast to make)."""
+    d.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+            "-subj", "/CN=sluice test CA", "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                                 "extendedKeyUsage=serverAuth\n"),
+                      ("client", "extendedKeyUsage=clientAuth\n")):
+        (d / f"{name}.ext").write_text("basicConstraints=CA:FALSE\n"
+                                       "keyUsage=critical,digitalSignature,keyEncipherment\n"
+                                       "authorityKeyIdentifier=keyid,issuer\n" + ext)
+        openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN=sluice test {name}", cwd=d)
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", f"{name}.crt", "-days", "2",
+                "-extfile", f"{name}.ext", cwd=d)
+
+
+def tls_args(certs: Path, port: int, auth_clients: str) -> list[str]:
+    """redis-server arguments for a TLS port with `make_certs`' server certificate."""
+    return ["--tls-port", str(port), "--tls-cert-file", str(certs / "server.crt"),
+            "--tls-key-file", str(certs / "server.key"),
+            "--tls-ca-cert-file", str(certs / "ca.crt"), "--tls-auth-clients", auth_clients]

@@ -42,6 +42,7 @@ from pipeline.bus import Bus, Entry, worker_id
 from pipeline.codec import DecodeError, decode_entry, peek_group_id
 from pipeline.config import Config
 from pipeline.keys import TRAINERS_GROUP
+from pipeline.ledger import Ledger
 from pipeline.model import load_model, load_policy
 from pipeline.runtime import Heartbeat, connect, limits, set_threads
 from pipeline.schema import ScoredGroup
@@ -97,6 +98,7 @@ class Trainer:
         self.last: dict[str, Any] = {}
         self.t_start = time.time()
         self.ref_model: torch.nn.Module | None = None
+        self.ledger = Ledger.for_role(out, "trainer", self.consumer, cfg.run.ledger)
         self.nccl: Any = None  # NCCLWeightSync when weights go to vLLM over NCCL
         if self.tc.beta > 0 and not self.lora:  # frozen reference: loaded once, never synced
             self.ref_model, _ = load_model(cfg.model.path, dtype=cfg.model.dtype)
@@ -138,18 +140,27 @@ class Trainer:
             assert isinstance(sg, ScoredGroup)
         except DecodeError as err:
             log.warning("dead-lettering %s: %s", e.id, err)
+            gid = peek_group_id(e.fields)
             if await bus.dead_letter(bus.keys.scored, TRAINERS_GROUP, e, reason=f"decode: {err}",
-                                     role=self.wid, retire=peek_group_id(e.fields) is not None):
+                                     role=self.wid, retire=gid is not None,
+                                     op=f"dead:{self.consumer}:{e.id}:{e.deliveries}"):
                 self.counts["dead"] += 1
+                self.ledger.write("dead", gid, retired=gid is not None, id=e.id,
+                                  reason=str(err)[:200])
             return None
         gid = sg.group.group_id
         if gid in self.trained or gid in seen:
             self.counts["duplicates"] += 1
-            await bus.ack(bus.keys.scored, TRAINERS_GROUP, e.id)
+            if await bus.ack(bus.keys.scored, TRAINERS_GROUP, e.id):
+                self.ledger.write("duplicate", gid, id=e.id)
             return None
         if self.is_stale(sg):
-            self.counts["stale"] += await bus.retire(bus.keys.scored, TRAINERS_GROUP,
-                                                     [e.id], "stale")
+            if await bus.retire(bus.keys.scored, TRAINERS_GROUP, [e.id], "stale",
+                                op=f"stale:{self.consumer}:{e.id}:{e.deliveries}"):
+                self.counts["stale"] += 1
+                self.ledger.write("stale", gid, id=e.id, version=self.state.version,
+                                  min_version=sg.group.min_version,
+                                  max_staleness=self.tc.max_staleness)
             return None
         return sg
 
@@ -255,18 +266,29 @@ class Trainer:
                     break  # stopping: leave the partial buffer pending for a restart
                 t1 = time.time()
                 groups = [sg for _, sg in buf]
+                trained_at = self.state.version  # the version staleness was checked against
                 metrics = self.train_step(groups)
                 self.state.step += 1
                 if self.state.step % self.tc.weight_sync_steps == 0:
                     self.state.version += 1
                     await self.publish(bus)
-                retired = await bus.retrying(lambda b=buf: bus.retire(
-                    bus.keys.scored, TRAINERS_GROUP, [i for i, _ in b], "trained"), "retire")
-                for sg in groups:
+                op = f"trained:{self.consumer}:{self.state.step}:{buf[0][0]}"
+                retired = set(await bus.retrying(lambda b=buf, op=op: bus.retire(
+                    bus.keys.scored, TRAINERS_GROUP, [i for i, _ in b], "trained", op=op),
+                    "retire"))
+                for entry_id, sg in buf:
                     self.trained[sg.group.group_id] = None
+                    if entry_id in retired:
+                        self.ledger.write(
+                            "trained", sg.group.group_id, id=entry_id, step=self.state.step,
+                            version=trained_at, min_version=sg.group.min_version,
+                            max_staleness=self.tc.max_staleness, n=len(sg.rewards))
                 while len(self.trained) > TRAINED_IDS_KEPT:
                     self.trained.popitem(last=False)
-                self.counts["trained_groups"] += retired
+                self.counts["trained_groups"] += len(retired)
+                if self.state.step % 10 == 0:  # janitor of `scored`
+                    await bus.retrying(lambda: bus.trim_acked(
+                        bus.keys.scored, TRAINERS_GROUP, keep=self.cfg.bus.keep_acked), "trim")
                 run_state = await bus.retrying(bus.state, "state")
                 metrics["filtered"] = run_state.get("retired:filtered", 0)
                 self.record(groups, metrics, t0, t1)
@@ -280,6 +302,7 @@ class Trainer:
         finally:
             await hb.stop()
             await bus.close()
+            self.ledger.close()
             if self.nccl is not None:
                 await self.nccl.close()
             log.info("trainer stopped at step %d (%s)", self.state.step, finished_reason)

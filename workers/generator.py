@@ -6,13 +6,18 @@ their completions in one batch; XADD one `RolloutGroup` per prompt. A watcher co
 follows ``control`` and queues each strictly newer, hash-verified weight version on the
 engine, which swaps it in between decode steps, so each token's version is exact.
 
-Invariant: once admitted, a group is always appended (even during shutdown the current
-batch is finished and written), so an admitted group is never stranded by a clean stop.
+Invariant: once admitted, a group is appended exactly once or retired ``dead``. Each
+admitted cursor is leased to this generator (``generation.lease_s``, renewed while it
+works); on a clean stop the current batches are finished and written; if the generator
+dies, its leases expire and another (or the restarted) generator takes the cursors over
+and generates them. Appending is conditional on holding the lease (one Lua script), so a
+group is never appended twice, even by a generator that was only slow.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import zlib
@@ -20,9 +25,10 @@ import zlib
 import numpy as np
 
 from pipeline import control
-from pipeline.bus import Bus, worker_id
+from pipeline.bus import TRANSIENT, Bus, worker_id
 from pipeline.codec import encode
 from pipeline.config import Config
+from pipeline.ledger import Ledger
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, join, set_threads
 from pipeline.schema import Rollout, RolloutGroup, RunFinished, WeightsPublished
@@ -89,7 +95,13 @@ class Generator:
         self.gate_wait_s = 0.0
         self.gate_closed = False
         self.rejected_weights = 0
+        self.taken_over = 0
+        self.lost_leases = 0
         self._swap_lock = asyncio.Lock()
+        self.lease_ms = int(cfg.generation.lease_s * 1000)
+        self.leases: set[int] = set()  # cursors this process holds and still has to emit
+        self.ledger = Ledger.for_role(cfg.output_path, "generator", self.wid.split("/", 1)[1],
+                                      cfg.run.ledger)
 
     def info(self) -> dict[str, object]:
         engine = self.engine.health()
@@ -97,15 +109,18 @@ class Generator:
                 "completions": self.completions, "tokens": self.tokens,
                 "dead_groups": self.dead_groups,
                 "gate_wait_s": round(self.gate_wait_s, 3), "gate_closed": self.gate_closed,
-                "rejected_weights": self.rejected_weights, "engine": engine,
+                "rejected_weights": self.rejected_weights, "taken_over": self.taken_over,
+                "lost_leases": self.lost_leases, "engine": engine,
                 **({"healthy": False} if not engine.get("healthy", True) else {})}
 
     async def apply(self, msg: WeightsPublished) -> None:
         """Swap in a strictly newer version; refuse bad weights and keep serving.
 
-        Swaps are serialised (watcher and catch-up may both see a version), and a swap
-        the engine could not finish is logged: the engine keeps the weights it has and the
-        next announcement (or catch-up) tries again."""
+        Swaps are serialised (watcher and catch-up may both see a version). A version the
+        engine could not load (a file that matches its sha256 but is not loadable, tensors
+        that do not fit the model, no server taking it) is refused like one that fails
+        verification: counted in ``rejected_weights``, logged, and the engine keeps the
+        weights it has; the next announcement (or catch-up) tries again."""
         async with self._swap_lock:
             if msg.version <= self.engine.version:
                 return
@@ -118,6 +133,7 @@ class Generator:
             try:
                 await self.engine.load_weights(path, msg.version, msg.format)
             except EngineError as e:
+                self.rejected_weights += 1
                 log.warning("engine could not load weights v%d: %s", msg.version, e)
 
     async def watch_control(self, bus, stop: asyncio.Event) -> None:
@@ -129,16 +145,25 @@ class Generator:
                 log.info("run finished (%s); stopping", msg.reason)
                 stop.set()
 
-    async def admit_batch(self, bus, stop: asyncio.Event) -> list[int]:
-        """Claim up to batch_groups cursors; waits (with backoff) while the gate is closed."""
-        window = self.cfg.trainer.window
+    async def admit_batch(self, bus: Bus, stop: asyncio.Event) -> list[int]:
+        """Up to batch_groups cursors: first expired leases of dead generators, then new
+        admissions; waits (with backoff) while the gate is closed and nothing expired."""
+        window, want = self.cfg.trainer.window, self.cfg.generation.batch_groups
         wait_s = 0.01
         while not stop.is_set():
-            cursors: list[int] = []
-            for _ in range(self.cfg.generation.batch_groups):
-                c = await bus.retrying(lambda: bus.admit(window), "admit", stop)
+            cursors = await bus.retrying(
+                lambda: bus.takeover(self.wid, self.lease_ms, want), "take over", stop)
+            for c in cursors:
+                self.leases.add(c)
+                self.taken_over += 1
+                self.ledger.write("takeover", self.group_id(c), cursor=c)
+            while len(cursors) < want:
+                c = await bus.retrying(lambda: bus.admit(window, self.wid, self.lease_ms),
+                                       "admit", stop)
                 if c is None:
                     break
+                self.leases.add(c)
+                self.ledger.write("admitted", self.group_id(c), cursor=c)
                 cursors.append(c)
             if cursors:
                 self.gate_closed = False
@@ -149,6 +174,28 @@ class Generator:
             self.gate_wait_s += time.monotonic() - t0
             wait_s = min(wait_s * 1.5, 0.2)
         return []
+
+    def group_id(self, cursor: int) -> str:
+        epoch, idx = prompt_for_cursor(cursor, len(self.task), self.cfg.run.seed)
+        return f"{epoch}:{idx}"
+
+    async def renew_leases(self, bus: Bus, done: asyncio.Event) -> None:
+        """Keep this process's leases alive every lease/3 until ``done``; a lease found
+        taken over (we missed renewals, e.g. Redis was unreachable longer than a lease)
+        is dropped here, and its group's append will be refused."""
+        while not done.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), self.lease_ms / 3000)
+            held = sorted(self.leases)
+            if not held:
+                continue
+            try:
+                lost = await bus.renew(self.wid, held, self.lease_ms)
+            except TRANSIENT as e:
+                log.debug("lease renewal failed: %s", e)
+                continue
+            for c in lost:
+                log.warning("lease of cursor %d was taken over by another generator", c)
 
     async def catch_up(self, bus) -> None:
         """Before a batch: if ``state.version`` moved past the engine, apply the newest
@@ -184,29 +231,46 @@ class Generator:
         for c in cursors:
             epoch, idx = prompt_for_cursor(c, len(self.task), self.cfg.run.seed)
             prompt = self.task.prompt(idx)
-            metas.append((epoch, idx, prompt))
+            metas.append((c, epoch, idx, prompt))
             prompt_ids.append(render_prompt(self.tokenizer, str(prompt["text"])))
         results = await self._generate(prompt_ids)
         t_done = time.time()
-        for (epoch, idx, prompt), pids, comps in zip(metas, prompt_ids, results, strict=True):
+        for (c, epoch, idx, prompt), pids, comps in zip(metas, prompt_ids, results, strict=True):
             group_id = f"{epoch}:{idx}"
             if isinstance(comps, str):
                 log.warning("group %s failed for good, retired dead: %s", group_id, comps)
-                await bus.retrying(lambda g=group_id, r=comps: bus.abandon(
-                    g, reason=f"generation failed: {r}", role=self.wid), "abandon group")
-                self.dead_groups += 1
+                ok = await bus.retrying(lambda g=group_id, c=c, r=comps: bus.abandon(
+                    g, cursor=c, owner=self.wid, reason=f"generation failed: {r}",
+                    role=self.wid), "abandon group")
+                self.release(c, group_id, "dead" if ok else None, retired=True)
+                self.dead_groups += ok
                 continue
             group = RolloutGroup(
                 group_id=group_id, prompt_index=idx, epoch=epoch, prompt=prompt,
                 prompt_ids=np.asarray(pids, dtype=np.int32), generator=self.wid,
                 t_admit=t_admit, t_done=t_done,
-                rollouts=[to_rollout(c, self.tokenizer) for c in comps])
+                rollouts=[to_rollout(x, self.tokenizer) for x in comps])
             payload = encode(group)
-            # retried on connection loss: an admitted group must reach the stream
-            await bus.retrying(lambda p=payload: bus.emit(p), "emit group")
-            self.groups += 1
-            self.completions += len(comps)
-            self.tokens += sum(len(c.token_ids) for c in comps)
+            # retried on connection loss (idempotent): an admitted group must reach the stream
+            entry_id = await bus.retrying(
+                lambda p=payload, c=c: bus.emit(p, cursor=c, owner=self.wid), "emit group")
+            self.release(c, group_id, "emitted" if entry_id else None, id=entry_id,
+                         version=int(group.min_version))
+            if entry_id:
+                self.groups += 1
+                self.completions += len(comps)
+                self.tokens += sum(len(x.token_ids) for x in comps)
+
+    def release(self, cursor: int, group_id: str, ev: str | None, **fields: object) -> None:
+        """The cursor's lease is spent: record what happened (``ev``), or that another
+        generator had taken it over (``ev`` None: our copy is dropped)."""
+        self.leases.discard(cursor)
+        if ev is None:
+            self.lost_leases += 1
+            log.warning("group %s was taken over by another generator; dropping ours", group_id)
+            self.ledger.write("lost_lease", group_id, cursor=cursor)
+        else:
+            self.ledger.write(ev, group_id, cursor=cursor, **fields)
 
     async def produce(self, bus: Bus, stop: asyncio.Event) -> None:
         """One admit -> generate -> append loop; `run` keeps ``concurrent_batches`` of them."""
@@ -222,6 +286,8 @@ class Generator:
         hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info)
         hb.start()
         watcher = asyncio.create_task(self.watch_control(bus, stop))
+        producing_done = asyncio.Event()
+        renewer = asyncio.create_task(self.renew_leases(bus, producing_done))
         log.info("generator %s started (engine %s)", self.wid, self.cfg.generation.engine)
         try:
             producers = asyncio.gather(*(self.produce(bus, stop)
@@ -240,8 +306,11 @@ class Generator:
             pass
         finally:
             stop.set()
+            producing_done.set()
+            await join(renewer, 5)
             await join(watcher, self.cfg.bus.block_ms / 1000 + 5)
             await hb.stop()
+            self.ledger.close()
             await bus.close()
             await self.engine.close()
             log.info("generator %s stopped: %d groups", self.wid, self.groups)

@@ -7,11 +7,19 @@ A consumer in group ``scorers`` on ``rollouts``. Per entry, exactly one of:
   ``max_deliveries`` deliveries;
 - leave pending: a reward function failed and deliveries remain (read again later).
 Entries of crashed scorers are reclaimed with XAUTOCLAIM after ``claim_idle_ms``.
+
+Every state change is one idempotent script keyed by (consumer, entry id, delivery), so a
+batch retried after a lost Redis reply neither acts twice nor loses its ledger record.
+Scale-down: on SIGTERM a scorer finishes the batch it holds, then leaves the consumer
+group only if nothing is pending on it (entries it could not score stay pending and are
+reclaimed by the others). Scorers also act as the janitor of ``rollouts``: they trim
+acknowledged entries and remove long-idle consumers with nothing pending.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -27,6 +35,7 @@ from pipeline.bus import Bus, Entry, worker_id
 from pipeline.codec import DecodeError, decode_entry, encode, peek_group_id
 from pipeline.config import Config
 from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP
+from pipeline.ledger import Ledger
 from pipeline.runtime import Heartbeat, connect, join, limits
 from pipeline.schema import RolloutGroup, RunFinished, ScoredGroup
 from workers.rewards import RewardError, RewardFn, call_reward, load_reward
@@ -48,6 +57,10 @@ class Scorer:
         self.reward_n = 0
         self.part_sums: dict[str, float] = {r.name: 0.0 for r in self.rewards}
         self.busy = False
+        self.ledger = Ledger.for_role(cfg.output_path, "scorer", self.consumer, cfg.run.ledger)
+
+    def op(self, action: str, e: Entry) -> str:
+        return f"{action}:{self.consumer}:{e.id}:{e.deliveries}"
 
     def info(self) -> dict[str, object]:
         return {**self.counts, "reward_sum": self.reward_sum, "reward_n": self.reward_n,
@@ -70,8 +83,10 @@ class Scorer:
         gid = peek_group_id(e.fields)
         log.warning("dead-lettering %s (group %s): %s", e.id, gid, reason)
         if await bus.dead_letter(bus.keys.rollouts, SCORERS_GROUP, e, reason=reason,
-                                 role=self.wid, retire=gid is not None):
+                                 role=self.wid, retire=gid is not None, op=self.op("dead", e)):
             self.counts["dead"] += 1
+            self.ledger.write("dead", gid, retired=gid is not None, id=e.id,
+                              reason=reason[:200])
 
     async def process(self, bus: Bus, entries: list[Entry]) -> None:
         scored: list[tuple[Entry, RolloutGroup, np.ndarray, np.ndarray]] = []
@@ -88,7 +103,8 @@ class Scorer:
                 parts = await self.rewards_of(g)
                 total = combine_rewards(parts, self.weights)
                 if not np.isfinite(total).all():
-                    raise RewardError("a completion got no reward from any function")
+                    raise RewardError("+".join(r.name for r in self.rewards),
+                                      "no function gave a completion a reward (all None)")
             except DecodeError as err:
                 await self.dead(bus, e, f"decode: {err}")
                 continue
@@ -110,18 +126,26 @@ class Scorer:
             self.reward_n += len(total)
             for j, rf in enumerate(self.rewards):
                 self.part_sums[rf.name] += float(np.nansum(parts[:, j]))
+            gid = g.group_id
+            self.ledger.write("scored", gid, id=e.id, n=len(total),
+                              adv_sum=round(float(np.sum(adv)), 6))
             if is_zero_variance(total):
-                self.counts["filtered"] += await bus.retire(
-                    bus.keys.rollouts, SCORERS_GROUP, [e.id], "filtered")
+                if await bus.retire(bus.keys.rollouts, SCORERS_GROUP, [e.id], "filtered",
+                                    op=self.op("filtered", e)):
+                    self.counts["filtered"] += 1
+                    self.ledger.write("filtered", gid, id=e.id)
                 continue
             sg = ScoredGroup(group=g, rewards=total.astype(np.float32),
                              reward_parts={rf.name: parts[:, j].astype(np.float32)
                                            for j, rf in enumerate(self.rewards)},
                              advantages=np.asarray(adv, dtype=np.float32), scorer=self.wid,
                              t_scored=time.time())
-            if await bus.handoff(bus.keys.rollouts, SCORERS_GROUP, e.id, bus.keys.scored,
-                                 encode(sg)):
+            new_id = await bus.handoff(bus.keys.rollouts, SCORERS_GROUP, e.id, bus.keys.scored,
+                                       encode(sg), op=self.op("handoff", e))
+            if new_id:
                 self.counts["scored"] += 1
+                self.ledger.write("handed_off", gid, id=e.id, to=new_id,
+                                  version=int(g.min_version))
 
     async def watch_control(self, bus: Bus, stop: asyncio.Event) -> None:
         async for msg in control.watch(bus, from_id="0", stop=stop,
@@ -149,6 +173,7 @@ class Scorer:
                         min_idle_ms=self.cfg.bus.claim_idle_ms,
                         count=self.cfg.scoring.read_count), "reclaim", stop)
                     self.counts["reclaimed"] += len(entries)
+                    await bus.retrying(lambda: self.janitor(bus), "janitor", stop)
                 if not entries:
                     entries = await bus.retrying(lambda: bus.read_group(
                         bus.keys.rollouts, SCORERS_GROUP, self.consumer,
@@ -162,9 +187,21 @@ class Scorer:
         finally:
             stop.set()
             await join(watcher, self.cfg.bus.block_ms / 1000 + 5)
-            await hb.stop()
+            left = "unknown"
+            with contextlib.suppress(Exception):
+                left = "yes" if await bus.retire_consumer(
+                    bus.keys.rollouts, SCORERS_GROUP, self.consumer) else "no (entries pending)"
+            await hb.stop(forget=left == "yes")
             await bus.close()
-            log.info("scorer %s stopped: %s", self.wid, self.counts)
+            self.ledger.close()
+            log.info("scorer %s stopped: %s; left the group: %s", self.wid, self.counts, left)
+
+    async def janitor(self, bus: Bus) -> None:
+        """Free acknowledged ``rollouts`` entries and forget long-dead consumers."""
+        self.counts["trimmed"] = self.counts.get("trimmed", 0) + await bus.trim_acked(
+            bus.keys.rollouts, SCORERS_GROUP, keep=self.cfg.bus.keep_acked)
+        await bus.prune_consumers(bus.keys.rollouts, SCORERS_GROUP,
+                                  idle_ms=10 * self.cfg.bus.claim_idle_ms)
 
 
 async def main(cfg: Config, stop: asyncio.Event, name: str | None = None) -> None:

@@ -75,3 +75,67 @@ def test_bad_config_and_bad_arguments_fail_at_start_naming_the_problem(tmp_path:
     assert p.returncode == 2 and "generation.top_p" in p.stderr
     p = sluice("tail", "nosuchstream")
     assert p.returncode == 2 and "invalid choice" in p.stderr
+
+
+BAD_START_FILES: dict[str, str | bytes] = {
+    "ok.toml": '[run]\nname = "x"\n',
+    "bad.toml": "[trainer\nlr = \n",
+    "wrongtype.toml": '[trainer]\nlr = "fast"\n',
+    "range.toml": "[trainer]\nmax_staleness = -1\n",
+    "section.toml": "[trainerr]\nlr = 1e-4\n",
+    "notutf8.toml": b"\xff\xfe[run]\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["status", "{tmp}/bad.toml"], ["bad.toml: not valid TOML", "line 1"]),
+        (["status", "{tmp}/notutf8.toml"], ["notutf8.toml: not UTF-8"]),
+        (["status", "{tmp}"], ["{tmp}: cannot read the config file", "Is a directory"]),
+        (["status", "{tmp}/wrongtype.toml"],
+         ["wrongtype.toml", "trainer.lr: Input should be a valid number", "'fast'"]),
+        (["status", "--set", "trainer.max_steps=ten"],
+         ["trainer.max_steps: Input should be a valid integer", "'ten'"]),
+        (["status", "{tmp}/range.toml"],
+         ["trainer.max_staleness: Input should be greater than or equal to 0"]),
+        (["status", "{tmp}/section.toml"], ["trainerr: unknown key"]),
+        (["status", "--set", "bus.blockms=5"], ["bus.blockms: unknown key"]),
+        (["status", "--set", "trainer.lr"], ["--set 'trainer.lr': expected section.key=value"]),
+        (["status", "{tmp}/ok.toml", "--set", "run.name.x=1"],
+         ["--set run.name.x: 'name' is not a section"]),
+        (["frobnicate"], ["invalid choice: 'frobnicate'"]),
+        (["status", "--frob"], ["unrecognized arguments: --frob"]),
+        (["train"], ["the following arguments are required: config"]),
+        (["up", "{tmp}/ok.toml", "--eval-every", "soon"], ["invalid float value: 'soon'"]),
+        (["train", "{tmp}/ok.toml", "--set", "model.path={tmp}/nomodel"],
+         ["model.path: no model at {tmp}/nomodel"]),
+        (["generate", "{tmp}/ok.toml", "--set", "model.path={tmp}/nomodel"],
+         ["model.path: no model at {tmp}/nomodel"]),
+        (["eval", "{tmp}/ok.toml", "--set", "model.path={tmp}/nomodel"],
+         ["model.path: no model at {tmp}/nomodel"]),
+        (["score", "{tmp}/ok.toml", "--set", "scoring.rewards=[{{fn='nosuch_pkg.m:f'}}]"],
+         ["scoring.rewards.0.fn:", "cannot import module 'nosuch_pkg.m'"]),
+        (["score", "{tmp}/ok.toml", "--set", "scoring.rewards=[{{fn='workers.rewards:nope'}}]"],
+         ["scoring.rewards.0.fn:", "has no attribute 'nope'"]),
+        (["score", "{tmp}/ok.toml", "--set", "scoring.rewards=[{{fn='not a path'}}]"],
+         ["scoring.rewards.0.fn: String should match pattern"]),
+    ],
+    ids=["bad-toml", "not-utf8", "config-is-a-directory", "wrong-type-in-file",
+         "wrong-type-in-set", "out-of-range-in-file", "unknown-section", "unknown-key-in-set",
+         "set-without-equals", "set-through-a-scalar", "unknown-subcommand",
+         "unknown-argument", "missing-config-argument", "bad-option-value",
+         "train-without-model", "generate-without-model", "eval-without-model",
+         "reward-module-missing", "reward-function-missing", "reward-path-malformed"],
+)
+def test_bad_start_exits_2_naming_the_problem_without_a_traceback(
+        tmp_path: Path, args: list[str], needles: list[str]) -> None:
+    """Every way to start wrongly ends at once with exit 2 and one message naming the key,
+    file or argument: never a traceback, and never a role that starts and dies later."""
+    for name, text in BAD_START_FILES.items():
+        (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    p = sluice(*[a.format(tmp=tmp_path) for a in args])
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    for needle in needles:
+        assert needle.format(tmp=tmp_path) in p.stderr, p.stderr

@@ -48,15 +48,17 @@ def test_retire_reopens_gate_and_counts_each_entry_once(
         bus = Bus.connect(redis_server.url, run_name)
         k = bus.keys
         await bus.ensure_group(k.rollouts, SCORERS_GROUP)
-        for _ in range(3):
-            assert await bus.admit(3) is not None
-        assert await bus.admit(3) is None  # closed: 3 in flight
-        ids = [await bus.emit(b"x") for _ in range(3)]
+        cursors = [await bus.admit(3, "g") for _ in range(3)]
+        assert cursors == [0, 1, 2]
+        assert await bus.admit(3, "g") is None  # closed: 3 in flight
+        ids = [await bus.emit(b"x", cursor=c, owner="g") for c in cursors]
         entries = await bus.read_group(k.rollouts, SCORERS_GROUP, "c1", count=10, block_ms=10)
         assert [e.id for e in entries] == ids
-        assert await bus.retire(k.rollouts, SCORERS_GROUP, ids[:2], "filtered") == 2
+        assert await bus.retire(k.rollouts, SCORERS_GROUP, ids[:2], "filtered", op="r1") == ids[:2]
+        # the same call retried after a lost reply: the first answer, nothing counted again
+        assert await bus.retire(k.rollouts, SCORERS_GROUP, ids[:2], "filtered", op="r1") == ids[:2]
         # the same entries again (a redelivery or a racing consumer): no double count
-        assert await bus.retire(k.rollouts, SCORERS_GROUP, ids[:2], "filtered") == 0
+        assert await bus.retire(k.rollouts, SCORERS_GROUP, ids[:2], "filtered", op="r2") == []
         st = await bus.state()
         assert st["retired"] == 2 and st["retired:filtered"] == 2 and st["generating"] == 0
         assert await bus.admit(3) == 3
@@ -71,7 +73,7 @@ def test_retire_rejects_unknown_reason(redis_server: EmbeddedRedis, run_name: st
     async def go() -> None:
         bus = Bus.connect(redis_server.url, run_name)
         with pytest.raises(ValueError, match="reason"):
-            await bus.retire(bus.keys.rollouts, SCORERS_GROUP, ["1-0"], "lost")
+            await bus.retire(bus.keys.rollouts, SCORERS_GROUP, ["1-0"], "lost", op="x")
         await bus.close()
 
     arun(go())

@@ -56,7 +56,8 @@ def test_failed_group_retires_dead_with_reason_and_the_rest_are_appended(
     async def go() -> tuple[dict[str, int], list[Any], list[Any]]:
         bus = Bus.connect(cfg.redis_url, run_name)
         try:
-            cursors = [c for c in [await bus.admit(16) for _ in range(3)] if c is not None]
+            cursors = [c for c in [await bus.admit(16, gen.wid) for _ in range(3)]
+                       if c is not None]
             await gen.generate_batch(bus, cursors)
             state = await bus.state()
             rollouts = [decode_entry(f) for _i, f in await bus.r.xrange(bus.keys.rollouts)]
@@ -111,7 +112,8 @@ urls = ["http://127.0.0.1:{free_port()}"]
             return json.loads(raw) if raw else {}
 
         wait_for(lambda: beat().get("healthy") is False, 60, "an unhealthy heartbeat")
-        assert int(r.hget(keys.state, "generating") or 0) == 2  # admitted, waiting
+        wait_for(lambda: int(r.hget(keys.state, "generating") or 0) == 2, 10,
+                 "two admitted groups waiting for a server")
         assert beat()["engine"]["servers_up"] == 0
         gen.send_signal(signal.SIGTERM)
         assert gen.wait(40) == 0, (tmp_path / "gen.log").read_text()[-2000:]

@@ -31,9 +31,12 @@ def test_conditional_handoff_emits_once_when_two_consumers_race(
         # consumer b reclaims a's entry (a is presumed dead), then both hand off
         claimed = await bus.reclaim(k.rollouts, SCORERS_GROUP, "b", min_idle_ms=0, count=10)
         assert [e.id for e in claimed] == [eid] and claimed[0].deliveries == 2
-        first = await bus.handoff(k.rollouts, SCORERS_GROUP, eid, k.scored, b"payload")
-        second = await bus.handoff(k.rollouts, SCORERS_GROUP, eid, k.scored, b"payload")
+        first = await bus.handoff(k.rollouts, SCORERS_GROUP, eid, k.scored, b"payload", op="a1")
+        second = await bus.handoff(k.rollouts, SCORERS_GROUP, eid, k.scored, b"payload", op="b1")
         assert first is not None and second is None
+        # the first call retried with its op key (its reply was lost): same answer, no act
+        again = await bus.handoff(k.rollouts, SCORERS_GROUP, eid, k.scored, b"payload", op="a1")
+        assert again == first
         assert await bus.r.xlen(k.scored) == 1
         await bus.close()
 

@@ -47,13 +47,13 @@ def test_scorer_scores_filters_and_dead_letters_without_stopping(
         bus = Bus.connect(redis_server.url, run_name)
         k = bus.keys
         await bus.ensure_group(k.rollouts, SCORERS_GROUP)
-        for _ in range(4):  # four admitted groups (the garbage entry was never admitted)
-            await bus.admit(100)
+        # four admitted groups (the garbage entry was never admitted)
+        cursors = [await bus.admit(100, "g") for _ in range(4)]
         for p in payloads:
             if p.startswith(b"\xc1"):
                 await bus.xadd(k.rollouts, p)
             else:
-                await bus.emit(p)
+                assert await bus.emit(p, cursor=cursors.pop(0), owner="g")
         scorer = Scorer(cfg, "s1")
         stop = asyncio.Event()
         task = asyncio.create_task(scorer.run(stop))

@@ -50,10 +50,9 @@ def test_trainer_drops_stale_dedups_trains_acks_publishes_and_resumes(
         k = bus.keys
         await bus.ensure_group(k.scored, TRAINERS_GROUP)
         await bus.set_version(3)  # the bus has seen version 3 (e.g. an earlier trainer)
-        for _ in range(4):
-            await bus.admit(100)
-        for _ in range(4):
-            await bus.emit(b"placeholder")  # admitted groups now live in rollouts...
+        for c in [await bus.admit(100, "g") for _ in range(4)]:
+            # admitted groups now live in rollouts...
+            await bus.emit(b"placeholder", cursor=c, owner="g")
         # ...and were handed on to `scored`: v2 stale at version 4, then a duplicate
         await bus.r.xgroup_create(k.rollouts, "scorers", id="0")
         await bus.r.xreadgroup("scorers", "s", {k.rollouts: ">"})

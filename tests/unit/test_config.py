@@ -170,6 +170,18 @@ def test_invalid_toml_is_an_error_naming_the_path(tmp_path: Path) -> None:
     assert str(ei.value).startswith(f"{p}: not valid TOML")
 
 
+def test_config_path_that_is_a_directory_is_an_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path}: cannot read the config file")):
+        load_config(tmp_path)
+
+
+def test_config_file_that_is_not_utf8_is_an_error_naming_it(tmp_path: Path) -> None:
+    p = tmp_path / "latin1.toml"
+    p.write_bytes('[run]\nname = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=re.escape(f"{p}: not UTF-8 text")):
+        load_config(p)
+
+
 # ---------------------------------------------------------------- derived values
 
 

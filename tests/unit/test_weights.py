@@ -94,6 +94,18 @@ def test_symlink_escaping_the_root_is_refused(tmp_path: Path) -> None:
         store.load(dataclasses.replace(msg, uri=store.dir_for(1).as_uri()))
 
 
+def test_weight_file_symlinked_out_of_the_root_is_refused(tmp_path: Path) -> None:
+    """The version directory is inside the store, but its weight file points elsewhere
+    (whose sha256 is even announced correctly): still refused."""
+    outside = FileWeightStore(tmp_path / "other")
+    msg = outside.publish(_state(), version=1, step=1)
+    store = FileWeightStore(tmp_path / "w")
+    store.dir_for(1).mkdir(parents=True)
+    (store.dir_for(1) / WEIGHTS_FILE).symlink_to(outside.dir_for(1) / WEIGHTS_FILE)
+    with pytest.raises(WeightError, match="outside the weight store"):
+        store.load(dataclasses.replace(msg, uri=store.dir_for(1).as_uri()))
+
+
 @pytest.mark.parametrize("uri", ["http://host/w/v00000001", "s3://bucket/v1", "/abs/path",
                                  "nccl://group"])
 def test_non_file_scheme_is_refused(tmp_path: Path, uri: str) -> None:

@@ -1,0 +1,190 @@
+"""Check a run's whole delivery history from its ledgers (`pipeline.ledger`).
+
+`audit` verifies, over every event every process wrote:
+1. every admitted group retires at most once, with one reason (exactly once when the run
+   is drained), and nothing retires that was never admitted;
+2. no group is appended, handed off or trained twice, and no trained group was older than
+   ``max_staleness`` versions when it was trained;
+3. advantages were computed over complete groups: every scored (and trained) group has
+   ``num_generations`` completions, and its advantages sum to zero (centred on the group);
+4. the gate's counters in Redis equal the ledger's counts (``cursor`` = admitted,
+   ``retired`` and ``retired:<reason>`` = retirements, ``generating`` = admitted and not
+   yet appended or abandoned);
+5. (with a live view of Redis, `live_view`) every admitted group not yet retired is
+   somewhere: leased to a generator, or an unacknowledged entry of ``rollouts`` or
+   ``scored``; and no group is in flight twice, or in flight after it retired. This is
+   "nothing lost" without having to drain the pipeline first.
+The ledger lines of a process killed by ``kill -9`` end where it died; a group it had
+admitted shows up again as another generator's ``takeover``, and a group appended
+without its ``emitted`` line (killed in between) is known from the scorers' events.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.bus import Bus
+from pipeline.codec import peek_group_id
+from pipeline.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP
+from pipeline.ledger import read_ledgers
+
+ADV_SUM_TOL = 1e-3  # per completion: float32 advantages of a centred group sum to ~1e-7
+
+
+@dataclass
+class AuditReport:
+    events: int = 0
+    admitted: int = 0
+    retired: Counter[str] = field(default_factory=Counter)
+    in_flight: int = 0
+    taken_over: int = 0
+    trained: int = 0
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def summary(self) -> str:
+        head = (f"{self.events} events, {self.admitted} groups admitted, "
+                f"{sum(self.retired.values())} retired ({dict(self.retired)}), "
+                f"{self.in_flight} in flight, {self.taken_over} taken over after a "
+                f"generator died, {self.trained} trained")
+        if self.ok:
+            return f"OK: {head}"
+        shown = "\n  ".join(self.violations[:50])
+        more = f"\n  ... and {len(self.violations) - 50} more" if len(self.violations) > 50 else ""
+        return f"FAILED ({len(self.violations)} violations): {head}\n  {shown}{more}"
+
+
+@dataclass
+class LiveView:
+    """Where the run's unfinished groups are in Redis right now."""
+
+    state: dict[str, int]
+    leased: set[int]  # admitted cursors not yet appended
+    entries: dict[str, list[str]]  # group id -> unacknowledged stream entries holding it
+
+
+async def live_view(bus: Bus) -> LiveView:
+    """Read the state hash, the leases and every unacknowledged (pending or not yet
+    delivered) entry of ``rollouts`` and ``scored``. Take it with the roles stopped or
+    paused: a moving pipeline can show a group between two places."""
+    entries: dict[str, list[str]] = defaultdict(list)
+    for stream, group in ((bus.keys.rollouts, SCORERS_GROUP), (bus.keys.scored, TRAINERS_GROUP)):
+        if not await bus.r.exists(stream):
+            continue
+        info = {g["name"].decode(): g for g in await bus.r.xinfo_groups(stream)}
+        last = info[group]["last-delivered-id"].decode() if group in info else "0-0"
+        short = stream.rsplit(":", 1)[-1]
+        rows = await bus.r.xrange(stream, min=f"({last}", max="+") if last != "0-0" else \
+            await bus.r.xrange(stream)
+        for entry_id, fields in rows:
+            entries[peek_group_id(fields) or "?"].append(f"{short} {entry_id.decode()} undelivered")
+        if group in info:
+            for p in await bus.r.xpending_range(stream, group, min="-", max="+", count=1 << 20):
+                for entry_id, fields in await bus.r.xrange(stream, p["message_id"],
+                                                           p["message_id"]):
+                    entries[peek_group_id(fields) or "?"].append(
+                        f"{short} {entry_id.decode()} pending on {p['consumer'].decode()}")
+    leased = {int(c) for c in await bus.r.hkeys(bus.keys.leases)}
+    return LiveView(await bus.state(), leased, dict(entries))
+
+
+def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
+          num_generations: int | None = None, drained: bool = False,
+          live: LiveView | None = None) -> AuditReport:
+    """Audit ``run_dir``'s ledgers; ``state`` is the run's Redis ``state`` hash (rule 4 is
+    skipped without it; ``live`` supplies it too, and enables rule 5); ``drained`` demands
+    that nothing is left in flight."""
+    if live is not None:
+        state = live.state
+    rows = read_ledgers(run_dir)
+    rep = AuditReport(events=len(rows))
+    by_ev: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_ev[r["ev"]].append(r)
+    bad = rep.violations.append
+
+    # --- 1. admitted -> retired exactly once
+    admitted: dict[str, int] = {}
+    for r in by_ev["admitted"] + by_ev["takeover"]:
+        admitted.setdefault(r["gid"], r["cursor"])
+    rep.admitted = len(admitted)
+    rep.taken_over = len(by_ev["takeover"])
+    retirements: dict[str, list[str]] = defaultdict(list)
+    for ev in RETIRE_REASONS:
+        for r in by_ev[ev]:
+            if ev == "dead" and not r.get("retired", True):
+                continue  # an entry with no group id (never admitted) dead-lettered
+            retirements[r["gid"]].append(f"{ev} by {r['role']}/{r['consumer']}")
+            rep.retired[ev] += 1
+    for gid, how in retirements.items():
+        if len(how) > 1:
+            bad(f"group {gid} retired {len(how)} times: {how}")
+        if gid not in admitted:
+            bad(f"group {gid} retired ({how[0]}) but never admitted")
+    lost = [g for g in admitted if g not in retirements]
+    rep.in_flight = len(lost)
+    if drained and lost:
+        bad(f"{len(lost)} admitted groups never retired (lost): {sorted(lost)[:10]}")
+
+    # --- 2. nothing twice; nothing too stale
+    for ev in ("emitted", "handed_off", "trained"):
+        for gid, n in Counter(r["gid"] for r in by_ev[ev]).items():
+            if n > 1:
+                bad(f"group {gid} {ev.replace('_', ' ')} {n} times")
+    rep.trained = len(by_ev["trained"])
+    for r in by_ev["trained"]:
+        age = r["version"] - r["min_version"]
+        if age > r["max_staleness"]:
+            bad(f"group {r['gid']} trained at version {r['version']} with a token of version "
+                f"{r['min_version']} (staleness {age} > {r['max_staleness']})")
+
+    # --- 3. advantages over complete groups
+    sizes = Counter(r["n"] for r in by_ev["scored"] + by_ev["trained"])
+    expected = num_generations or (sizes.most_common(1)[0][0] if sizes else None)
+    for r in by_ev["scored"] + by_ev["trained"]:
+        if r["n"] != expected:
+            bad(f"group {r['gid']} {r['ev']} with {r['n']} completions, expected {expected}")
+    for r in by_ev["scored"]:
+        if abs(r["adv_sum"]) > ADV_SUM_TOL * r["n"]:
+            bad(f"group {r['gid']}: advantages sum to {r['adv_sum']}, not 0 (not centred on "
+                "the group)")
+
+    # --- 4. the gate's counters equal the ledger's counts
+    if state is not None:
+        appended = {r["gid"] for r in by_ev["emitted"]}
+        appended |= {r["gid"] for ev in ("scored", "handed_off", "filtered")
+                     for r in by_ev[ev]}
+        appended |= {r["gid"] for r in by_ev["dead"] if r["role"] == "scorer" and r["gid"]}
+        abandoned = {r["gid"] for r in by_ev["dead"] if r["role"] == "generator"}
+        generating = len(set(admitted) - appended - abandoned)
+        expect = {"cursor": len(admitted), "retired": sum(rep.retired.values()),
+                  "generating": generating,
+                  **{f"retired:{k}": rep.retired[k] for k in RETIRE_REASONS}}
+        for k, v in expect.items():
+            if state.get(k, 0) != v:
+                bad(f"Redis state {k} = {state.get(k, 0)} but the ledger counts {v}")
+    # --- 5. every unfinished group is somewhere, once
+    if live is not None:
+        for gid in lost:
+            where = live.entries.get(gid, [])
+            if not where and admitted[gid] not in live.leased:
+                bad(f"group {gid} (cursor {admitted[gid]}) admitted, never retired, and "
+                    "neither leased nor in a stream: lost")
+        for gid, where in live.entries.items():
+            if gid == "?":
+                continue
+            if len(where) > 1:
+                bad(f"group {gid} in flight {len(where)} times: {where}")
+            if gid in retirements:
+                bad(f"group {gid} retired ({retirements[gid][0]}) but still in flight: {where}")
+            if gid not in admitted:
+                bad(f"group {gid} in flight but never admitted: {where}")
+    if by_ev["torn"]:
+        bad(f"{len(by_ev['torn'])} torn ledger lines (a process killed mid-write)")
+    return rep

@@ -1,0 +1,220 @@
+"""The Lua scripts of the delivery protocol: each is one atomic step on the bus.
+
+Used only by `pipeline.bus.Bus`. All keys a script touches are passed in KEYS (they share
+the run's hash tag, so each script runs on one Redis Cluster slot), and every command a
+script calls is checked against the caller's ACL user like a direct call.
+"""
+
+from __future__ import annotations
+
+OP_TTL_S = 600
+"""How long a mutating script remembers its result under its op key. A call retried after
+a lost reply (within this time) gets the first call's result instead of acting twice, so
+each role's ledger records what really happened. After an outage longer than this the
+gates below still hold (XACK and lease checks), only the retried call's answer is lost."""
+
+
+def _idempotent(body: str) -> str:
+    """Wrap a script body so its result is stored under the op key (the last KEYS entry)
+    and a repeated call with the same op key returns that result without acting again.
+    The body must return a table, number, string or false (never nil)."""
+    return f"""
+local op = KEYS[#KEYS]
+local done = redis.call('GET', op)
+if done then return cjson.decode(done) end
+local function body()
+{body}
+end
+local r = body()
+redis.call('SET', op, cjson.encode(r), 'EX', {OP_TTL_S})
+return r
+"""
+
+
+_NOW_MS = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+RETIRE = _idempotent("""
+-- KEYS: stream, state, op; ARGV: group, reason, id... Returns the ids this call retired.
+local done = {}
+for i = 3, #ARGV do
+  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then done[#done + 1] = ARGV[i] end
+end
+if #done > 0 then
+  redis.call('HINCRBY', KEYS[2], 'retired', #done)
+  redis.call('HINCRBY', KEYS[2], 'retired:' .. ARGV[2], #done)
+end
+return done
+""")
+
+HANDOFF = _idempotent("""
+-- KEYS: src stream, dst stream, op; ARGV: group, id, field, payload
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  return redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[4])
+end
+return false
+""")
+
+DEAD_LETTER = _idempotent("""
+-- KEYS: src stream, state, dlq, op; ARGV: group, id, retire(0|1), field/value pairs...
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  local fields = {}
+  for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+  redis.call('XADD', KEYS[3], '*', unpack(fields))
+  if ARGV[3] == '1' then
+    redis.call('HINCRBY', KEYS[2], 'retired', 1)
+    redis.call('HINCRBY', KEYS[2], 'retired:dead', 1)
+  end
+  return 1
+end
+return 0
+""")
+
+ADMIT = """
+-- KEYS: state, leases; ARGV: window, owner, lease_ms. Returns the admitted cursor, or -1
+-- if the window is full. The cursor is leased to `owner` until now + lease_ms.
+local cursor = tonumber(redis.call('HGET', KEYS[1], 'cursor') or '0')
+local retired = tonumber(redis.call('HGET', KEYS[1], 'retired') or '0')
+if cursor - retired < tonumber(ARGV[1]) then
+""" + _NOW_MS + """
+  redis.call('HSET', KEYS[1], 'cursor', cursor + 1)
+  redis.call('HINCRBY', KEYS[1], 'generating', 1)
+  redis.call('HSET', KEYS[2], cursor, ARGV[2] .. '|' .. (now_ms + tonumber(ARGV[3])))
+  return cursor
+end
+return -1
+"""
+
+# A lease value is "<owner>|<deadline_ms>"; this Lua test is "owned by ARGV[k]".
+_OWNS = "(v and string.sub(v, 1, #{o} + 1) == {o} .. '|')"
+
+EMIT = _idempotent("""
+-- KEYS: rollouts, state, leases, op; ARGV: cursor, owner, field, payload. Appends the group
+-- only while `owner` holds the cursor's lease, and in the same step releases the lease and
+-- counts the group out of `generating`: one append per admitted group, ever.
+local v = redis.call('HGET', KEYS[3], ARGV[1])
+if not """ + _OWNS.format(o="ARGV[2]") + """ then return false end
+redis.call('HDEL', KEYS[3], ARGV[1])
+local id = redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
+redis.call('HINCRBY', KEYS[2], 'generating', -1)
+return id
+""")
+
+ABANDON = _idempotent("""
+-- KEYS: state, dlq, leases, op; ARGV: cursor, owner, field/value pairs. An admitted group
+-- that could not be generated retires `dead` with its dlq record, if `owner` holds it.
+local v = redis.call('HGET', KEYS[3], ARGV[1])
+if not """ + _OWNS.format(o="ARGV[2]") + """ then return 0 end
+redis.call('HDEL', KEYS[3], ARGV[1])
+local fields = {}
+for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+redis.call('HINCRBY', KEYS[1], 'generating', -1)
+redis.call('HINCRBY', KEYS[1], 'retired', 1)
+redis.call('HINCRBY', KEYS[1], 'retired:dead', 1)
+return 1
+""")
+
+RENEW = """
+-- KEYS: leases; ARGV: owner, lease_ms, cursor... Extends the leases `owner` still holds;
+-- returns the cursors it no longer holds (taken over after it missed renewals).
+""" + _NOW_MS + """
+local lost = {}
+for i = 3, #ARGV do
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  if """ + _OWNS.format(o="ARGV[1]") + """ then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[1] .. '|' .. (now_ms + tonumber(ARGV[2])))
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
+
+TAKEOVER = """
+-- KEYS: leases; ARGV: owner, lease_ms, max. Leases whose deadline passed (their owner
+-- died or lost Redis for longer than a lease) move to `owner`; returns their cursors.
+-- The hash holds at most `window` fields (one per admitted, unappended group).
+""" + _NOW_MS + """
+local got = {}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  if #got >= tonumber(ARGV[3]) then break end
+  local deadline = tonumber(string.match(all[i + 1], '|(%d+)$') or '0')
+  if deadline < now_ms then
+    redis.call('HSET', KEYS[1], all[i], ARGV[1] .. '|' .. (now_ms + tonumber(ARGV[2])))
+    got[#got + 1] = all[i]
+  end
+end
+return got
+"""
+
+TRIM_ACKED = """
+-- KEYS: stream; ARGV: group, keep. Deletes entries the group has acknowledged (below its
+-- oldest pending entry and at or below its last-delivered id), keeping the newest `keep`
+-- entries for `sluice tail`. Never removes a pending or undelivered entry.
+local last = nil
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local name, lid = nil, nil
+  for i = 1, #g, 2 do
+    if g[i] == 'name' then name = g[i + 1] end
+    if g[i] == 'last-delivered-id' then lid = g[i + 1] end
+  end
+  if name == ARGV[1] then last = lid end
+end
+if not last or last == '0-0' then return 0 end
+local minid = last
+local p = redis.call('XPENDING', KEYS[1], ARGV[1])
+if tonumber(p[1]) > 0 then minid = p[2] end
+local keep = tonumber(ARGV[2])
+if keep > 0 then
+  local tail = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', keep)
+  if #tail < keep then return 0 end
+  local kth = tail[#tail][1]
+  local a1, a2 = string.match(kth, '(%d+)-(%d+)')
+  local b1, b2 = string.match(minid, '(%d+)-(%d+)')
+  a1, a2, b1, b2 = tonumber(a1), tonumber(a2), tonumber(b1), tonumber(b2)
+  if a1 < b1 or (a1 == b1 and a2 < b2) then minid = kth end
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', minid)
+"""
+
+RETIRE_CONSUMER = """
+-- KEYS: stream; ARGV: group, consumer. Removes the consumer from the group only if it
+-- has no pending entries (checked and done atomically, so none can be claimed to it
+-- in between); returns 1 if removed.
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+PRUNE_CONSUMERS = """
+-- KEYS: stream; ARGV: group, idle_ms. Removes consumers with nothing pending that have
+-- been idle longer than idle_ms (crashed processes whose work was reclaimed).
+local n = 0
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local name, pending, idle = nil, 0, 0
+  for i = 1, #c, 2 do
+    if c[i] == 'name' then name = c[i + 1]
+    elseif c[i] == 'pending' then pending = tonumber(c[i + 1])
+    elseif c[i] == 'idle' then idle = tonumber(c[i + 1]) end
+  end
+  if pending == 0 and idle > tonumber(ARGV[2]) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], name)
+    n = n + 1
+  end
+end
+return n
+"""
+
+SET_VERSION = """
+-- KEYS: state; ARGV: version. state.version only moves forward.
+local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
+if tonumber(ARGV[1]) > v then
+  redis.call('HSET', KEYS[1], 'version', ARGV[1])
+  return 1
+end
+return 0
+"""

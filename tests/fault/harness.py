@@ -1,0 +1,173 @@
+"""A short real pipeline for fault injection: its own redis-server (AOF on, loopback,
+free port), every role a real `sluice` process, faults by PID, and the history checker.
+
+Each fault test builds a `Pipeline`, starts roles, waits for progress, injects its fault,
+waits for recovery, stops everything with SIGTERM and then asserts `Pipeline.audit()`:
+the whole ledger history checked against where Redis says the unfinished groups are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from pipeline.audit import AuditReport, audit, live_view
+from pipeline.bus import Bus
+from pipeline.embedded import EmbeddedRedis, free_port
+from pipeline.keys import Keys
+from tests.helpers import spawn_role, wait_for
+
+NUM_GENERATIONS = 4
+GROUPS_PER_STEP = 4
+
+CONFIG = """
+[run]
+name = "{run}"
+output_dir = "{out}"
+[bus]
+redis_url = "{url}"
+block_ms = 200
+claim_idle_ms = 1500
+heartbeat_s = 0.5
+reconnect_max_s = 1.0
+[model]
+path = "{model}"
+init = ""
+[task]
+name = "copy"
+[generation]
+num_generations = {n}
+max_new_tokens = 6
+batch_groups = 2
+lease_s = 3
+threads = 1
+[scoring]
+rewards = [{{ fn = "workers.rewards:copy_reward" }}]
+[trainer]
+groups_per_step = {g}
+max_staleness = 1
+lr = 1e-3
+beta = 0.0
+max_steps = 100000
+save_steps = 5
+threads = 1
+"""
+
+
+class Pipeline:
+    """One run under test. Use as a context manager: every process it started (and its
+    Redis) is ended by PID on exit, whatever the test did."""
+
+    def __init__(self, tmp: Path, model: Path, run: str = "fault"):
+        self.tmp = tmp
+        self.out = tmp / "out"
+        self.redis = EmbeddedRedis(tmp / "redis", port=free_port(), appendonly=True)
+        self.keys = Keys(run)
+        self.config = tmp / "run.toml"
+        self.config.write_text(CONFIG.format(run=run, out=self.out, url=self.redis.url,
+                                             model=model, n=NUM_GENERATIONS, g=GROUPS_PER_STEP))
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.faults = 0
+
+    def __enter__(self) -> Pipeline:
+        self.redis.start()
+        self.r = redis.Redis.from_url(self.redis.url, socket_timeout=10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        self.r.close()
+        self.redis.stop()
+
+    # ------------------------------------------------------------------ processes
+
+    def start(self, role: str, name: str, *overrides: str) -> subprocess.Popen[bytes]:
+        """Start ``sluice ROLE`` as ``name`` (logs in tmp/logs/NAME.log)."""
+        (self.tmp / "logs").mkdir(exist_ok=True)
+        p = spawn_role(role, self.config, *overrides, name=name,
+                       log=self.tmp / "logs" / f"{name}.log")
+        self.procs[name] = p
+        return p
+
+    def kill9(self, name: str) -> None:
+        p = self.procs[name]
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        self.faults += 1
+
+    def stop(self, name: str, timeout_s: float = 60) -> int:
+        """SIGTERM and wait; returns the exit code (0 = a clean stop)."""
+        p = self.procs[name]
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+        try:
+            return p.wait(timeout_s)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"{name} did not stop in {timeout_s} s:\n{self.log(name)}") from e
+
+    def stop_all(self) -> dict[str, int]:
+        """Generators first (they finish and append what they hold), then scorers, then
+        the trainer; every exit code must be 0 (or already dead by our hand)."""
+        codes = {}
+        for prefix in ("gen", "score", "train"):
+            for name in [n for n in self.procs if n.startswith(prefix)]:
+                if self.procs[name].poll() is None:
+                    codes[name] = self.stop(name)
+        bad = {n: c for n, c in codes.items() if c != 0}
+        assert not bad, f"roles exited badly {bad}:\n" + "\n".join(self.log(n) for n in bad)
+        return codes
+
+    def log(self, name: str) -> str:
+        path = self.tmp / "logs" / f"{name}.log"
+        return f"--- {name}\n" + (path.read_text()[-3000:] if path.exists() else "(no log)")
+
+    def logs(self) -> str:
+        return "\n".join(self.log(n) for n in self.procs)
+
+    # ------------------------------------------------------------------ observing
+
+    def state(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.state).items()}
+
+    def worker(self, prefix: str) -> dict[str, Any]:
+        for wid, raw in self.r.hgetall(self.keys.workers).items():
+            if wid.decode().startswith(prefix):
+                return dict(json.loads(raw))
+        return {}
+
+    def trained(self) -> int:
+        return self.state().get("retired:trained", 0)
+
+    def wait_trained(self, at_least: int, timeout_s: float = 120) -> None:
+        wait_for(lambda: self.trained() >= at_least, timeout_s,
+                 f"{at_least} trained groups (have {self.trained()})\n{self.logs()}", 0.2)
+
+    def audit(self, **kw: Any) -> AuditReport:
+        async def view() -> Any:
+            bus = Bus.connect(self.redis.url, self.keys.run)
+            try:
+                return await live_view(bus)
+            finally:
+                await bus.close()
+
+        report = audit(self.out, live=asyncio.run(view()), num_generations=NUM_GENERATIONS,
+                       **kw)
+        print(f"[fault check] {self.faults} faults injected: {report.summary()}")
+        return report
+
+    def assert_clean(self, min_trained: int) -> AuditReport:
+        report = self.audit()
+        assert report.ok, f"{report.summary()}\n{self.logs()}"
+        assert report.trained >= min_trained, report.summary()
+        return report
+

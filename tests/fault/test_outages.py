@@ -1,0 +1,140 @@
+"""Redis restarted and Redis down; the trainer stalled; scorers scaled up and down.
+
+Each test runs a real pipeline (`tests.fault.harness`), injects the fault, lets it recover
+and runs the history checker over everything that happened.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.keys import SCORERS_GROUP
+from tests.fault.harness import GROUPS_PER_STEP, Pipeline
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.fault
+
+ROLES = ("trainer-0", "g0", "s0", "s1")
+
+
+def start_all(p: Pipeline) -> None:
+    p.start("train", "trainer-0")
+    p.start("generate", "g0")
+    p.start("score", "s0")
+    p.start("score", "s1")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100  # utime, stime in clock ticks (USER_HZ)
+
+
+def check_reconnected(p: Pipeline) -> None:
+    """Every role came back: a fresh heartbeat saying healthy, with a reconnect counted."""
+    for prefix in ("trainer/", "generator/", "scorer/s0", "scorer/s1"):
+        wait_for(lambda pre=prefix: (w := p.worker(pre)) and w["healthy"] and
+                 w.get("reconnects", 0) >= 1 and time.time() - w["t"] < 5, 30,
+                 f"{prefix} to report itself reconnected\n{p.logs()}")
+
+
+def test_redis_restarted_then_down_ten_seconds(tmp_path, tiny_model_dir) -> None:
+    """Two outages of one run: a clean restart (AOF: streams, groups, pending entries and
+    counters survive), then Redis down for 10 s (no role exits or spins; work resumes)."""
+    with Pipeline(tmp_path, tiny_model_dir) as p:
+        start_all(p)
+        p.wait_trained(16)
+        groups = {g["name"] for g in p.r.xinfo_groups(p.keys.rollouts)}
+        p.redis.stop()  # SHUTDOWN: the AOF is flushed; nothing acknowledged is lost
+        p.faults += 1
+        p.redis.start()
+        state = p.state()
+        assert state["cursor"] > 0 and state["retired:trained"] >= 16
+        assert {g["name"] for g in p.r.xinfo_groups(p.keys.rollouts)} == groups
+        assert p.r.xinfo_consumers(p.keys.scored, "trainers")  # the trainer's pending list
+        check_reconnected(p)
+        p.wait_trained(state["retired:trained"] + 16)
+        for name in ROLES:
+            assert "redis unavailable" in p.log(name) and "reachable again" in p.log(name)
+
+        p.redis.stop()
+        p.faults += 1
+        time.sleep(1)  # let every role notice
+        used = {n: cpu_s(p.procs[n].pid) for n in ROLES}
+        time.sleep(10)
+        spent = {n: cpu_s(p.procs[n].pid) - used[n] for n in ROLES}
+        alive = {n: p.procs[n].poll() is None for n in ROLES}
+        p.redis.start()
+        assert all(alive.values()), f"a role crashed while Redis was down: {alive}\n{p.logs()}"
+        # waiting with capped backoff, not spinning: well under a core-second per second
+        assert max(spent.values()) < 3.0, spent
+        wait_for(lambda: all(p.worker(pre).get("reconnects", 0) >= 2 for pre in (
+            "trainer/", "generator/", "scorer/s0", "scorer/s1")), 30,
+            f"every role to reconnect twice\n{p.logs()}")
+        p.wait_trained(p.trained() + 16)
+        p.stop_all()
+        p.assert_clean(min_trained=48)
+
+
+def test_trainer_stalled_generators_stop_at_the_window_memory_flat(tmp_path,
+                                                                   tiny_model_dir) -> None:
+    window = 2 * GROUPS_PER_STEP  # (max_staleness + 1) * groups_per_step
+    with Pipeline(tmp_path, tiny_model_dir) as p:
+        start_all(p)
+        p.wait_trained(16)
+        p.procs["trainer-0"].send_signal(19)  # SIGSTOP: alive, holding its work, silent
+        p.faults += 1
+        try:
+            time.sleep(10)  # the gate closes within a batch or two
+
+            def sample() -> dict[str, int]:
+                st = p.state()
+                return {"cursor": st["cursor"], "in_flight": st["cursor"] - st["retired"],
+                        "rollouts": p.r.xlen(p.keys.rollouts),
+                        "scored": p.r.xlen(p.keys.scored),
+                        "memory": int(p.r.info("memory")["used_memory"])}
+
+            first = sample()
+            samples = []
+            for _ in range(10):  # ~50 s more: a minute stalled in all
+                time.sleep(5)
+                samples.append(sample())
+                assert samples[-1]["in_flight"] <= window, samples[-1]
+            last = samples[-1]
+            assert last["cursor"] == first["cursor"], "nothing admitted while stalled"
+            assert last["rollouts"] == first["rollouts"] and last["scored"] == first["scored"]
+            assert max(s["memory"] for s in samples) - first["memory"] < 256 * 1024, samples
+            assert p.worker("generator/g0")["gate_closed"]
+        finally:
+            p.procs["trainer-0"].send_signal(18)  # SIGCONT
+        p.wait_trained(p.trained() + 16)
+        p.stop_all()
+        p.assert_clean(min_trained=32)
+
+
+def test_scorers_scaled_2_4_1_with_sigterm(tmp_path, tiny_model_dir) -> None:
+    with Pipeline(tmp_path, tiny_model_dir) as p:
+        start_all(p)
+        p.wait_trained(8)
+        p.start("score", "s2")
+        p.start("score", "s3")
+        p.faults += 2
+
+        def names() -> set[str]:
+            return {c["name"].decode()
+                    for c in p.r.xinfo_consumers(p.keys.rollouts, SCORERS_GROUP)}
+
+        wait_for(lambda: {"s0", "s1", "s2", "s3"} <= names(), 60, f"4 scorers\n{p.logs()}")
+        p.wait_trained(p.trained() + 16)
+        for n in ("s1", "s2", "s3"):  # scale down to one, each with SIGTERM
+            assert p.stop(n) == 0, p.log(n)
+            p.faults += 1
+            assert "left the group: yes" in p.log(n), p.log(n)
+            assert n not in names(), "a stopped scorer with nothing pending leaves the group"
+        p.wait_trained(p.trained() + 16)
+        assert names() == {"s0"}
+        p.stop_all()
+        p.assert_clean(min_trained=40)

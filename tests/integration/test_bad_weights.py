@@ -1,0 +1,183 @@
+"""Bad weight announcements reach a real generator: it keeps serving what it has.
+
+DESIGN.md §5: generators apply only strictly newer versions and refuse weights whose
+sha256 does not match; the weight store refuses URIs outside its root. Here a real
+`Generator` with the tiny model's in-process engine meets duplicate, reordered and
+corrupt announcements (a wrong but well-formed sha256, missing files, a URI outside the
+weights directory, a file that hashes right but is no safetensors file, tensors of the
+wrong shape, undecodable control entries). For each it keeps its version and its
+weights, counts the refusal in ``rejected_weights`` (what its heartbeat shows), and a
+later good announcement is still applied. Both paths are covered: `Generator.apply`
+one announcement at a time, and `Generator.watch_control` reading the control stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+
+from pipeline import control
+from pipeline.bus import Bus
+from pipeline.codec import encode
+from pipeline.config import Config, load_config
+from pipeline.embedded import EmbeddedRedis
+from pipeline.schema import WeightsPublished
+from pipeline.weights import MANIFEST, WEIGHTS_FILE, FileWeightStore
+from tests.conftest import arun
+from workers.generator import Generator
+
+pytestmark = pytest.mark.integration
+
+
+def _cfg(redis_server: EmbeddedRedis, run_name: str, tmp_path: Path, model: Path) -> Config:
+    return load_config(None, [
+        f"run.name={run_name}", f"run.output_dir={tmp_path / 'out'}",
+        f"bus.redis_url={redis_server.url}", "bus.block_ms=50", f"model.path={model}",
+        "model.init=''"])
+
+
+def _weights(gen: Generator, shift: float) -> dict[str, torch.Tensor]:
+    """The engine model's state moved by ``shift``: each version is recognisable."""
+    return {k: v + shift if v.is_floating_point() else v.clone()
+            for k, v in gen.engine.model.state_dict().items()}  # type: ignore[attr-defined]
+
+
+def _serving(gen: Generator) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in gen.engine.model.state_dict().items()}  # type: ignore[attr-defined]
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _publisher(gen: Generator) -> FileWeightStore:
+    """The trainer's side of the generator's store; keeps every version (no pruning)."""
+    return FileWeightStore(gen.store.root, keep=10**6)
+
+
+def _hand_made(store: FileWeightStore, version: int, data: bytes) -> WeightsPublished:
+    """A version directory whose weight file is ``data`` and whose manifest and
+    announcement carry its true sha256: it passes every check but loading."""
+    d = store.dir_for(version)
+    d.mkdir(parents=True)
+    (d / WEIGHTS_FILE).write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    (d / MANIFEST).write_text(json.dumps({"version": version, "step": version,
+                                          "format": "safetensors",
+                                          "files": {WEIGHTS_FILE: digest}}))
+    return WeightsPublished(version=version, step=version, uri=d.as_uri(),
+                            format="safetensors", sha256=digest, nbytes=len(data), t=0.0)
+
+
+def _bad_announcements(gen: Generator, tmp_path: Path) -> dict[str, WeightsPublished]:
+    """Every refusable announcement, each for a version newer than the one served."""
+    store = _publisher(gen)
+    good = store.publish(_weights(gen, 2.0), version=2, step=2)
+    wrong_shape = _weights(gen, 3.0)
+    name = next(k for k, v in wrong_shape.items() if v.ndim == 2)
+    wrong_shape[name] = wrong_shape[name][:, :-1].contiguous()
+    elsewhere = FileWeightStore(tmp_path / "elsewhere").publish(_weights(gen, 4.0),
+                                                                version=4, step=4)
+    return {
+        "wrong-sha256": dataclasses.replace(good, sha256="0123456789abcdef" * 4),
+        "missing-files": dataclasses.replace(good, version=3,
+                                             uri=store.dir_for(3).as_uri()),
+        "outside-the-store": elsewhere,
+        "outside-via-dotdot": dataclasses.replace(
+            elsewhere, version=5, uri=f"{store.root.as_uri()}/../../elsewhere/v00000004"),
+        "not-a-file-uri": dataclasses.replace(good, version=6, uri="http://evil/v6"),
+        "not-safetensors": _hand_made(store, 7, b"\x00" * 64 + b"not a safetensors file"),
+        "wrong-shapes": store.publish(wrong_shape, version=8, step=8),
+        "unknown-engine-format": dataclasses.replace(good, version=9, format="nccl"),
+    }
+
+
+def test_generator_refuses_bad_weights_keeps_serving_and_applies_the_next_good_ones(
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path,
+        tiny_model_dir: Path) -> None:
+    gen = Generator(_cfg(redis_server, run_name, tmp_path, tiny_model_dir), "g0")
+    v1 = _publisher(gen).publish(_weights(gen, 1.0), version=1, step=1)
+    bad = _bad_announcements(gen, tmp_path)
+
+    async def go() -> None:
+        await gen.apply(v1)
+        assert gen.engine.version == 1
+        served = _serving(gen)
+        assert _same(served, _weights(gen, 0.0))  # what the engine serves is v1 …
+        published = gen.store.load(v1)
+        assert all(torch.equal(served[k], published[k]) for k in published)  # … as published
+        for dup in (v1, dataclasses.replace(v1, t=9.0)):  # duplicates: nothing to do
+            await gen.apply(dup)
+        assert gen.rejected_weights == 0
+        for i, (kind, msg) in enumerate(bad.items(), start=1):
+            await gen.apply(msg)
+            assert gen.engine.version == 1, kind
+            assert _same(_serving(gen), served), f"{kind}: the served weights changed"
+            assert gen.rejected_weights == i, kind
+            assert gen.info()["rejected_weights"] == i
+        v10 = _publisher(gen).publish(_weights(gen, 10.0), version=10, step=10)
+        await gen.apply(v10)
+        assert gen.engine.version == 10
+        assert _same(_serving(gen), gen.store.load(v10))
+        v11 = _publisher(gen).publish(_weights(gen, 1.0), version=11, step=11)
+        for old in (v1, bad["wrong-sha256"]):  # reordered: older than what is served
+            await gen.apply(old)
+        assert gen.engine.version == 10 and gen.rejected_weights == len(bad)
+        await gen.apply(v11)
+        assert gen.engine.version == 11
+
+    arun(go())
+
+
+def test_generator_watching_control_skips_corrupt_entries_and_applies_good_ones(
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path,
+        tiny_model_dir: Path) -> None:
+    """The same through the control stream, plus entries no decoder accepts; the watcher
+    must outlive all of them and still apply the good version announced last."""
+    gen = Generator(_cfg(redis_server, run_name, tmp_path, tiny_model_dir), "g0")
+    v1 = _publisher(gen).publish(_weights(gen, 1.0), version=1, step=1)
+    bad = _bad_announcements(gen, tmp_path)
+    undecodable = [
+        b"\xc1 not msgpack",
+        msgpack.packb({**msgpack.unpackb(encode(v1)), "version": 12, "sha256": "xyz"}),
+        msgpack.packb({**msgpack.unpackb(encode(v1)), "version": -1}),
+        msgpack.packb({**msgpack.unpackb(encode(v1)), "version": 12, "schema": 2}),
+        msgpack.packb({**msgpack.unpackb(encode(v1)), "version": "12"}),
+    ]
+
+    async def go() -> None:
+        bus = Bus.connect(redis_server.url, run_name)
+        try:
+            await control.announce(bus, v1)
+            await control.announce(bus, v1)  # duplicate
+            for msg in bad.values():
+                await control.announce(bus, msg)
+            for payload in undecodable:
+                await bus.r.xadd(bus.keys.control, {b"m": payload})
+            await bus.r.xadd(bus.keys.control, {b"other": b"field"})
+            v12 = _publisher(gen).publish(_weights(gen, 12.0), version=12, step=12)
+            await control.announce(bus, v12)
+            v11 = _publisher(gen).publish(_weights(gen, 11.0), version=11, step=11)
+            await control.announce(bus, v11)  # reordered: older, after newer
+            await control.finish(bus, "max_steps")
+            stop = asyncio.Event()
+            await asyncio.wait_for(gen.watch_control(bus, stop), 30)  # ends on RunFinished
+            assert stop.is_set()
+            assert gen.engine.version == 12
+            assert _same(_serving(gen), gen.store.load(v12))
+            assert gen.rejected_weights == len(bad)
+            # a generator that (re)starts now catches up to the same version
+            late = Generator(gen.cfg, "g1")
+            await late.catch_up(bus)
+            assert late.engine.version == 12 and late.rejected_weights == 0
+        finally:
+            await bus.close()
+
+    arun(go())
