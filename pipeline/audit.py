@@ -14,13 +14,17 @@
    somewhere: leased to a generator, or an unacknowledged entry of ``rollouts`` or
    ``scored``; and no group is in flight twice, or in flight after it retired. This is
    "nothing lost" without having to drain the pipeline first.
-The ledger lines of a process killed by ``kill -9`` end where it died; a group it had
-admitted shows up again as another generator's ``takeover``, and a group appended
-without its ``emitted`` line (killed in between) is known from the scorers' events.
+The ledger of a process killed by ``kill -9`` ends where it died. A state change it had
+started (an ``intent`` line with no events after it) is resolved from the op's result
+stored in Redis (`live_view` reads it): present and truthy = it happened, absent = it
+never ran. Without a live view such an intent is reported as unresolved. A cursor it had
+admitted without writing the line is found in the leases (or as another generator's
+``takeover``).
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +33,7 @@ from typing import Any
 from pipeline.bus import Bus
 from pipeline.codec import peek_group_id
 from pipeline.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP
-from pipeline.ledger import read_ledgers
+from pipeline.ledger import acted, read_ledgers
 
 ADV_SUM_TOL = 1e-3  # per completion: float32 advantages of a centred group sum to ~1e-7
 
@@ -42,6 +46,7 @@ class AuditReport:
     in_flight: int = 0
     taken_over: int = 0
     trained: int = 0
+    from_redis: int = 0  # events of killed processes recovered from stored op results
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -52,7 +57,8 @@ class AuditReport:
         head = (f"{self.events} events, {self.admitted} groups admitted, "
                 f"{sum(self.retired.values())} retired ({dict(self.retired)}), "
                 f"{self.in_flight} in flight, {self.taken_over} taken over after a "
-                f"generator died, {self.trained} trained")
+                f"generator died, {self.trained} trained, {self.from_redis} events recovered "
+                "from Redis")
         if self.ok:
             return f"OK: {head}"
         shown = "\n  ".join(self.violations[:50])
@@ -67,12 +73,25 @@ class LiveView:
     state: dict[str, int]
     leased: set[int]  # admitted cursors not yet appended
     entries: dict[str, list[str]]  # group id -> unacknowledged stream entries holding it
+    ops: dict[str, Any] = field(default_factory=dict)  # op id -> stored result (None: absent)
 
 
-async def live_view(bus: Bus) -> LiveView:
-    """Read the state hash, the leases and every unacknowledged (pending or not yet
-    delivered) entry of ``rollouts`` and ``scored``. Take it with the roles stopped or
-    paused: a moving pipeline can show a group between two places."""
+def pending_intents(run_dir: Path | str) -> list[str]:
+    """Op ids of intents with no event after them: calls whose process may have died
+    between the call and its ledger line (or whose call did nothing)."""
+    return [r["op"] for r in _unresolved(read_ledgers(run_dir))]
+
+
+def _unresolved(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    recorded = {r["op"] for r in rows if r["ev"] != "intent" and "op" in r}
+    return [r for r in rows if r["ev"] == "intent" and r["op"] not in recorded]
+
+
+async def live_view(bus: Bus, ops: list[str] | None = None) -> LiveView:
+    """Read the state hash, the leases, every unacknowledged (pending or not yet
+    delivered) entry of ``rollouts`` and ``scored``, and the stored results of ``ops``
+    (`pending_intents`). Take it with the roles stopped or paused: a moving pipeline can
+    show a group between two places."""
     entries: dict[str, list[str]] = defaultdict(list)
     for stream, group in ((bus.keys.rollouts, SCORERS_GROUP), (bus.keys.scored, TRAINERS_GROUP)):
         if not await bus.r.exists(stream):
@@ -91,7 +110,11 @@ async def live_view(bus: Bus) -> LiveView:
                     entries[peek_group_id(fields) or "?"].append(
                         f"{short} {entry_id.decode()} pending on {p['consumer'].decode()}")
     leased = {int(c) for c in await bus.r.hkeys(bus.keys.leases)}
-    return LiveView(await bus.state(), leased, dict(entries))
+    results = {}
+    for op in ops or []:
+        raw = await bus.r.get(bus.keys.op(op))
+        results[op] = None if raw is None else json.loads(raw)
+    return LiveView(await bus.state(), leased, dict(entries), results)
 
 
 def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
@@ -104,6 +127,7 @@ def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
         state = live.state
     rows = read_ledgers(run_dir)
     rep = AuditReport(events=len(rows))
+    rows += _resolve_intents(rows, live, rep)
     by_ev: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_ev[r["ev"]].append(r)
@@ -113,7 +137,10 @@ def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
     admitted: dict[str, int] = {}
     for r in by_ev["admitted"] + by_ev["takeover"]:
         admitted.setdefault(r["gid"], r["cursor"])
-    rep.admitted = len(admitted)
+    known = set(admitted.values())
+    # cursors admitted by a generator killed before it wrote the line: still leased
+    unlogged = {c for c in (live.leased if live else set()) if c not in known}
+    rep.admitted = len(admitted) + len(unlogged)
     rep.taken_over = len(by_ev["takeover"])
     retirements: dict[str, list[str]] = defaultdict(list)
     for ev in RETIRE_REASONS:
@@ -163,8 +190,8 @@ def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
         appended |= {r["gid"] for r in by_ev["dead"] if r["role"] == "scorer" and r["gid"]}
         abandoned = {r["gid"] for r in by_ev["dead"] if r["role"] == "generator"}
         generating = len(set(admitted) - appended - abandoned)
-        expect = {"cursor": len(admitted), "retired": sum(rep.retired.values()),
-                  "generating": generating,
+        expect = {"cursor": rep.admitted, "retired": sum(rep.retired.values()),
+                  "generating": generating + len(unlogged),
                   **{f"retired:{k}": rep.retired[k] for k in RETIRE_REASONS}}
         for k, v in expect.items():
             if state.get(k, 0) != v:
@@ -188,3 +215,25 @@ def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
     if by_ev["torn"]:
         bad(f"{len(by_ev['torn'])} torn ledger lines (a process killed mid-write)")
     return rep
+
+
+def _resolve_intents(rows: list[dict[str, Any]], live: LiveView | None,
+                     rep: AuditReport) -> list[dict[str, Any]]:
+    """Events of intents that have none recorded: from Redis's stored op results when
+    ``live`` has them; else none if the process wrote later lines (it survived the call,
+    which therefore did nothing), else a violation (it died during the call)."""
+    last_line = {}
+    for r in rows:
+        last_line[r.get("_file")] = max(last_line.get(r.get("_file"), 0), r.get("_n", 0))
+    out: list[dict[str, Any]] = []
+    for r in _unresolved(rows):
+        if live is not None and r["op"] in live.ops:
+            for p in acted(r["planned"], live.ops[r["op"]]):
+                out.append({**p, "role": r["role"], "consumer": r["consumer"], "t": r["t"],
+                            "op": r["op"], "from_redis": True})
+                rep.from_redis += 1
+        elif r.get("_n", 0) == last_line.get(r.get("_file")):
+            rep.violations.append(
+                f"{r['role']}/{r['consumer']} died during op {r['op']} and its outcome is "
+                "unknown: audit with a live Redis (sluice audit --config)")
+    return out

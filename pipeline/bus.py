@@ -274,24 +274,26 @@ class Bus:
         got = await self._takeover(keys=[self.keys.leases], args=[owner, lease_ms, max_count])
         return [int(c) for c in got or []]
 
-    async def emit(self, payload: bytes, *, cursor: int, owner: str) -> str | None:
+    async def emit(self, payload: bytes, *, cursor: int, owner: str,
+                   op: str | None = None) -> str | None:
         """Append the admitted group ``cursor`` to ``rollouts`` if ``owner`` still holds its
         lease (and count it out of ``generating``); None if it does not (the lease was
-        taken over: the new owner appends it). Idempotent per (cursor, owner)."""
+        taken over: the new owner appends it). Idempotent per op (default: per cursor and
+        owner)."""
         new_id = await self._emit(
             keys=[self.keys.rollouts, self.keys.state, self.keys.leases,
-                  self.keys.op(f"emit:{cursor}:{owner}")],
+                  self.keys.op(op or f"emit:{cursor}:{owner}")],
             args=[cursor, owner, FIELD, payload])
         return _s(new_id) if new_id else None
 
     async def abandon(self, group_id: str, *, cursor: int, owner: str, reason: str,
-                      role: str) -> bool:
+                      role: str, op: str | None = None) -> bool:
         """Retire an admitted group that will never be appended (its generation failed
         for good) as ``dead``, with a dlq record naming it and the reason; only while
         ``owner`` holds its lease. Idempotent per (cursor, owner)."""
         done = await self._abandon(
             keys=[self.keys.state, self.keys.dlq, self.keys.leases,
-                  self.keys.op(f"abandon:{cursor}:{owner}")],
+                  self.keys.op(op or f"abandon:{cursor}:{owner}")],
             args=[cursor, owner, b"reason", reason.encode()[:2000], b"role", role.encode(),
                   b"group_id", group_id.encode(), b"t", str(time.time()).encode()])
         return bool(done)

@@ -186,7 +186,7 @@ def _audit(args: argparse.Namespace) -> int:
     """Exit 0 if the history is clean, 1 with the violations listed otherwise."""
     from pathlib import Path
 
-    from pipeline.audit import LiveView, audit, live_view
+    from pipeline.audit import LiveView, audit, live_view, pending_intents
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "ledger").is_dir():
@@ -202,7 +202,7 @@ def _audit(args: argparse.Namespace) -> int:
 
             bus = connect(cfg, role="monitor")
             try:
-                return await live_view(bus)
+                return await live_view(bus, pending_intents(run_dir))
             finally:
                 await bus.close()
 

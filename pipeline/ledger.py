@@ -1,11 +1,16 @@
 """Per-process delivery ledger: one JSON line per event, for auditing a run afterwards.
 
 Every role appends to its own file ``<output_dir>/ledger/<role>-<consumer>-<pid>.jsonl``
-(one writer per file, so no locking, and a crashed process's file simply ends). A line is
-written right after the Redis call that made the event happen returned, and handed to the
-kernel at once (unbuffered), so a ``kill -9`` loses at most the event whose call had just
-returned (a window of microseconds; `pipeline.audit` then reports a count mismatch, it
-never hides one).
+(one writer per file, so no locking, and a crashed process's file simply ends). Lines are
+handed to the kernel at once (unbuffered ``os.write``), so a ``kill -9`` loses nothing
+already written.
+
+Exact under ``kill -9`` at any instant: before a state-changing Redis call, the writer
+records an ``intent`` line (the call's op id and the events it would cause); after it, the
+events that happened, each carrying the op id. An intent with no events after it is
+resolved by `pipeline.audit` from the op's stored result in Redis (the idempotent scripts
+keep it `pipeline.scripts.OP_TTL_S` seconds, written atomically with the change): so a
+process killed between the call and its ledger line is still counted exactly.
 
 Events (``ev``), each with ``gid`` (group id), ``role``, ``consumer``, ``t`` (unix s):
 - generator: ``admitted`` (``cursor``), ``takeover`` (``cursor``: an expired lease of a
@@ -23,8 +28,11 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 RETIRING = ("filtered", "stale", "trained", "dead")
 
@@ -56,15 +64,45 @@ class Ledger:
                "t": round(time.time(), 4), **fields}
         os.write(self._fd, (json.dumps(row, separators=(",", ":")) + "\n").encode())
 
+    def intent(self, op: str, planned: list[dict[str, Any]]) -> None:
+        """Record the events a call with op id ``op`` will cause if it acts (each a dict
+        with ``ev``, ``gid`` and fields; an ``id`` field names the stream entry)."""
+        self.write("intent", None, op=op, planned=planned)
+
+    def outcome(self, op: str, planned: list[dict[str, Any]], result: Any) -> list[str]:
+        """Write the planned events ``result`` says happened; returns their group ids."""
+        done = acted(planned, result)
+        for p in done:
+            self.write(p["ev"], p["gid"], op=op,
+                       **{k: v for k, v in p.items() if k not in ("ev", "gid")})
+        return [p["gid"] for p in done]
+
+    async def settle(self, op: str, planned: list[dict[str, Any]],
+                     call: Callable[[], Awaitable[T]]) -> T:
+        """``intent``, run the call, ``outcome``: the one way roles record a state change."""
+        self.intent(op, planned)
+        result = await call()
+        self.outcome(op, planned, result)
+        return result
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
 
 
+def acted(planned: list[dict[str, Any]], result: Any) -> list[dict[str, Any]]:
+    """Which planned events a script's result says happened: a list result names the
+    entry ids it acted on (`Bus.retire`); any other truthy result means all of them."""
+    if isinstance(result, list | tuple | set):
+        ids = {str(x) for x in result}
+        return [p for p in planned if str(p.get("id")) in ids]
+    return list(planned) if result else []
+
+
 def read_ledgers(run_dir: Path | str) -> list[dict[str, Any]]:
     """Every event of a run, in time order. A torn last line (a process killed mid-write,
-    which `os.write` of one short line makes unlikely) is skipped and counted."""
+    which `os.write` of one short line makes unlikely) is kept as a ``torn`` event."""
     rows: list[dict[str, Any]] = []
     for f in sorted((Path(run_dir) / "ledger").glob("*.jsonl")):
         for line in f.read_text().splitlines():
@@ -72,5 +110,6 @@ def read_ledgers(run_dir: Path | str) -> list[dict[str, Any]]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
                 rows.append({"ev": "torn", "gid": None, "file": f.name})
+            rows[-1]["_file"], rows[-1]["_n"] = f.name, len(rows)
     rows.sort(key=lambda r: r.get("t", 0))
     return rows

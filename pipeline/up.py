@@ -359,11 +359,11 @@ async def audit_run(cfg: Config) -> bool:
     returns False on any violation."""
     if not cfg.run.ledger:
         return True
-    from pipeline.audit import audit, live_view
+    from pipeline.audit import audit, live_view, pending_intents
 
     bus = connect(cfg, role="monitor")
     try:
-        live = await live_view(bus)
+        live = await live_view(bus, pending_intents(cfg.output_path))
     finally:
         await bus.close()
     out = cfg.output_path

@@ -132,35 +132,41 @@ class Trainer:
         return buf
 
     async def accept(self, bus: Bus, e: Entry, seen: set[str]) -> ScoredGroup | None:
+        """The entry's group if it is to be trained; otherwise settle it here (dead-letter,
+        stale, duplicate, deleted), retrying through Redis outages."""
         if e.fields is None:
-            await bus.ack(bus.keys.scored, TRAINERS_GROUP, e.id)
+            await bus.retrying(lambda: bus.ack(bus.keys.scored, TRAINERS_GROUP, e.id), "ack")
             return None
         try:
             sg = decode_entry(e.fields, self.limits, expect=ScoredGroup)
             assert isinstance(sg, ScoredGroup)
         except DecodeError as err:
             log.warning("dead-lettering %s: %s", e.id, err)
-            gid = peek_group_id(e.fields)
-            if await bus.dead_letter(bus.keys.scored, TRAINERS_GROUP, e, reason=f"decode: {err}",
-                                     role=self.wid, retire=gid is not None,
-                                     op=f"dead:{self.consumer}:{e.id}:{e.deliveries}"):
+            gid, reason = peek_group_id(e.fields), f"decode: {err}"
+            op = f"dead:{self.consumer}:{e.id}:{e.deliveries}"
+            if await self.ledger.settle(
+                    op, [{"ev": "dead", "gid": gid, "retired": gid is not None, "id": e.id,
+                          "reason": reason[:200]}],
+                    lambda: bus.retrying(lambda: bus.dead_letter(
+                        bus.keys.scored, TRAINERS_GROUP, e, reason=reason, role=self.wid,
+                        retire=gid is not None, op=op), "dead-letter")):
                 self.counts["dead"] += 1
-                self.ledger.write("dead", gid, retired=gid is not None, id=e.id,
-                                  reason=str(err)[:200])
             return None
         gid = sg.group.group_id
         if gid in self.trained or gid in seen:
             self.counts["duplicates"] += 1
-            if await bus.ack(bus.keys.scored, TRAINERS_GROUP, e.id):
+            if await bus.retrying(lambda: bus.ack(bus.keys.scored, TRAINERS_GROUP, e.id), "ack"):
                 self.ledger.write("duplicate", gid, id=e.id)
             return None
         if self.is_stale(sg):
-            if await bus.retire(bus.keys.scored, TRAINERS_GROUP, [e.id], "stale",
-                                op=f"stale:{self.consumer}:{e.id}:{e.deliveries}"):
+            op = f"stale:{self.consumer}:{e.id}:{e.deliveries}"
+            if await self.ledger.settle(
+                    op, [{"ev": "stale", "gid": gid, "id": e.id, "version": self.state.version,
+                          "min_version": sg.group.min_version,
+                          "max_staleness": self.tc.max_staleness}],
+                    lambda: bus.retrying(lambda: bus.retire(
+                        bus.keys.scored, TRAINERS_GROUP, [e.id], "stale", op=op), "retire")):
                 self.counts["stale"] += 1
-                self.ledger.write("stale", gid, id=e.id, version=self.state.version,
-                                  min_version=sg.group.min_version,
-                                  max_staleness=self.tc.max_staleness)
             return None
         return sg
 
@@ -273,16 +279,16 @@ class Trainer:
                     self.state.version += 1
                     await self.publish(bus)
                 op = f"trained:{self.consumer}:{self.state.step}:{buf[0][0]}"
-                retired = set(await bus.retrying(lambda b=buf, op=op: bus.retire(
-                    bus.keys.scored, TRAINERS_GROUP, [i for i, _ in b], "trained", op=op),
-                    "retire"))
-                for entry_id, sg in buf:
+                planned = [{"ev": "trained", "gid": sg.group.group_id, "id": entry_id,
+                            "step": self.state.step, "version": trained_at,
+                            "min_version": sg.group.min_version,
+                            "max_staleness": self.tc.max_staleness, "n": len(sg.rewards)}
+                           for entry_id, sg in buf]
+                retired = await self.ledger.settle(op, planned, lambda b=buf, op=op: bus.retrying(
+                    lambda: bus.retire(bus.keys.scored, TRAINERS_GROUP, [i for i, _ in b],
+                                       "trained", op=op), "retire"))
+                for _, sg in buf:
                     self.trained[sg.group.group_id] = None
-                    if entry_id in retired:
-                        self.ledger.write(
-                            "trained", sg.group.group_id, id=entry_id, step=self.state.step,
-                            version=trained_at, min_version=sg.group.min_version,
-                            max_staleness=self.tc.max_staleness, n=len(sg.rewards))
                 while len(self.trained) > TRAINED_IDS_KEPT:
                     self.trained.popitem(last=False)
                 self.counts["trained_groups"] += len(retired)

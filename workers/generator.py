@@ -21,6 +21,8 @@ import contextlib
 import logging
 import time
 import zlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -38,6 +40,7 @@ from workers.engines.transformers import TransformersEngine
 from workers.tasks import make_task, prompt_for_cursor
 
 log = logging.getLogger("sluice.generator")
+T = TypeVar("T")
 STOP_GRACE_S = 10.0  # on SIGTERM, how long admitted batches may wait for a usable server
 
 
@@ -239,10 +242,11 @@ class Generator:
             group_id = f"{epoch}:{idx}"
             if isinstance(comps, str):
                 log.warning("group %s failed for good, retired dead: %s", group_id, comps)
-                ok = await bus.retrying(lambda g=group_id, c=c, r=comps: bus.abandon(
+                op = f"abandon:{c}:{self.wid}"
+                ok = await self.settle(bus, c, op, {"ev": "dead", "retired": True},
+                                       lambda g=group_id, c=c, r=comps, op=op: bus.abandon(
                     g, cursor=c, owner=self.wid, reason=f"generation failed: {r}",
-                    role=self.wid), "abandon group")
-                self.release(c, group_id, "dead" if ok else None, retired=True)
+                    role=self.wid, op=op))
                 self.dead_groups += ok
                 continue
             group = RolloutGroup(
@@ -252,25 +256,30 @@ class Generator:
                 rollouts=[to_rollout(x, self.tokenizer) for x in comps])
             payload = encode(group)
             # retried on connection loss (idempotent): an admitted group must reach the stream
-            entry_id = await bus.retrying(
-                lambda p=payload, c=c: bus.emit(p, cursor=c, owner=self.wid), "emit group")
-            self.release(c, group_id, "emitted" if entry_id else None, id=entry_id,
-                         version=int(group.min_version))
+            op = f"emit:{c}:{self.wid}"
+            entry_id = await self.settle(
+                bus, c, op, {"ev": "emitted", "version": int(group.min_version)},
+                lambda p=payload, c=c, op=op: bus.emit(p, cursor=c, owner=self.wid, op=op))
             if entry_id:
                 self.groups += 1
                 self.completions += len(comps)
                 self.tokens += sum(len(x.token_ids) for x in comps)
 
-    def release(self, cursor: int, group_id: str, ev: str | None, **fields: object) -> None:
-        """The cursor's lease is spent: record what happened (``ev``), or that another
-        generator had taken it over (``ev`` None: our copy is dropped)."""
+    async def settle(self, bus: Bus, cursor: int, op: str, event: dict[str, object],
+                     call: Callable[[], Awaitable[T]]) -> T:
+        """Append or abandon the leased group ``cursor`` (``call``, retried until Redis
+        answers), recording it in the ledger; a falsy result means another generator had
+        taken the lease over, and our copy is dropped."""
+        gid = self.group_id(cursor)
+        result = await self.ledger.settle(
+            op, [{**event, "gid": gid, "cursor": cursor}],
+            lambda: bus.retrying(call, f"{event['ev']} group"))
         self.leases.discard(cursor)
-        if ev is None:
+        if not result:
             self.lost_leases += 1
-            log.warning("group %s was taken over by another generator; dropping ours", group_id)
-            self.ledger.write("lost_lease", group_id, cursor=cursor)
-        else:
-            self.ledger.write(ev, group_id, cursor=cursor, **fields)
+            log.warning("group %s was taken over by another generator; dropping ours", gid)
+            self.ledger.write("lost_lease", gid, cursor=cursor)
+        return result
 
     async def produce(self, bus: Bus, stop: asyncio.Event) -> None:
         """One admit -> generate -> append loop; `run` keeps ``concurrent_batches`` of them."""

@@ -82,11 +82,13 @@ class Scorer:
     async def dead(self, bus: Bus, e: Entry, reason: str) -> None:
         gid = peek_group_id(e.fields)
         log.warning("dead-lettering %s (group %s): %s", e.id, gid, reason)
-        if await bus.dead_letter(bus.keys.rollouts, SCORERS_GROUP, e, reason=reason,
-                                 role=self.wid, retire=gid is not None, op=self.op("dead", e)):
+        op = self.op("dead", e)
+        if await self.ledger.settle(
+                op, [{"ev": "dead", "gid": gid, "retired": gid is not None, "id": e.id,
+                      "reason": reason[:200]}],
+                lambda: bus.dead_letter(bus.keys.rollouts, SCORERS_GROUP, e, reason=reason,
+                                        role=self.wid, retire=gid is not None, op=op)):
             self.counts["dead"] += 1
-            self.ledger.write("dead", gid, retired=gid is not None, id=e.id,
-                              reason=reason[:200])
 
     async def process(self, bus: Bus, entries: list[Entry]) -> None:
         scored: list[tuple[Entry, RolloutGroup, np.ndarray, np.ndarray]] = []
@@ -130,22 +132,26 @@ class Scorer:
             self.ledger.write("scored", gid, id=e.id, n=len(total),
                               adv_sum=round(float(np.sum(adv)), 6))
             if is_zero_variance(total):
-                if await bus.retire(bus.keys.rollouts, SCORERS_GROUP, [e.id], "filtered",
-                                    op=self.op("filtered", e)):
+                op = self.op("filtered", e)
+                if await self.ledger.settle(
+                        op, [{"ev": "filtered", "gid": gid, "id": e.id}],
+                        lambda e=e, op=op: bus.retire(bus.keys.rollouts, SCORERS_GROUP, [e.id],
+                                                      "filtered", op=op)):
                     self.counts["filtered"] += 1
-                    self.ledger.write("filtered", gid, id=e.id)
                 continue
             sg = ScoredGroup(group=g, rewards=total.astype(np.float32),
                              reward_parts={rf.name: parts[:, j].astype(np.float32)
                                            for j, rf in enumerate(self.rewards)},
                              advantages=np.asarray(adv, dtype=np.float32), scorer=self.wid,
                              t_scored=time.time())
-            new_id = await bus.handoff(bus.keys.rollouts, SCORERS_GROUP, e.id, bus.keys.scored,
-                                       encode(sg), op=self.op("handoff", e))
-            if new_id:
+            op = self.op("handoff", e)
+            if await self.ledger.settle(
+                    op, [{"ev": "handed_off", "gid": gid, "id": e.id,
+                          "version": int(g.min_version)}],
+                    lambda e=e, sg=sg, op=op: bus.handoff(
+                        bus.keys.rollouts, SCORERS_GROUP, e.id, bus.keys.scored, encode(sg),
+                        op=op)):
                 self.counts["scored"] += 1
-                self.ledger.write("handed_off", gid, id=e.id, to=new_id,
-                                  version=int(g.min_version))
 
     async def watch_control(self, bus: Bus, stop: asyncio.Event) -> None:
         async for msg in control.watch(bus, from_id="0", stop=stop,

@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from pipeline.audit import AuditReport, audit, live_view
+from pipeline.audit import AuditReport, audit, live_view, pending_intents
 from pipeline.bus import Bus
 from pipeline.embedded import EmbeddedRedis, free_port
 from pipeline.keys import Keys
@@ -156,7 +156,7 @@ class Pipeline:
         async def view() -> Any:
             bus = Bus.connect(self.redis.url, self.keys.run)
             try:
-                return await live_view(bus)
+                return await live_view(bus, pending_intents(self.out))
             finally:
                 await bus.close()
 
@@ -166,8 +166,11 @@ class Pipeline:
         return report
 
     def assert_clean(self, min_trained: int) -> AuditReport:
+        """The audit passes, enough was trained, and (every role stopped) no admitted
+        group is left leased: each one was appended, or abandoned as dead."""
         report = self.audit()
         assert report.ok, f"{report.summary()}\n{self.logs()}"
+        assert not self.r.hgetall(self.keys.leases), "groups stuck in stopped generators"
         assert report.trained >= min_trained, report.summary()
         return report
 

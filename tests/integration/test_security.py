@@ -213,6 +213,8 @@ CASES: list[tuple[str, tuple[Any, ...], bool]] = [
     ("monitor", ("XREAD", "COUNT", 1, "STREAMS", D, "0"), True),
     ("monitor", ("HGETALL", W), True),
     ("monitor", ("HKEYS", L), True),
+    ("monitor", ("GET", K.op("emit:0:g")), True),  # `sluice audit` resolves intents
+    ("monitor", ("SET", K.op("emit:0:g"), "1"), False),
     ("monitor", ("XADD", D, "*", "m", "x"), False),
     ("monitor", ("HSET", W, "monitor/x", "{}"), False),
     ("monitor", ("XACK", R, SCORERS_GROUP, "0-1"), False),

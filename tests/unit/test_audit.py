@@ -123,3 +123,84 @@ def test_ledger_writes_one_json_line_per_event_and_off_writes_nothing(tmp_path: 
     assert [(r["ev"], r["gid"], r["consumer"]) for r in rows] == [
         ("scored", "0:1", "host/1"), ("filtered", "0:1", "host/1")]
     assert len(list((tmp_path / "ledger").iterdir())) == 1
+
+
+def intent(op: str, planned: list[dict[str, Any]], role: str = "trainer") -> dict[str, Any]:
+    return {**ev("intent", None, role), "op": op, "planned": planned}
+
+
+TRAIN_03 = {"ev": "trained", "gid": "0:3", "id": "5-0", "version": 3, "min_version": 3,
+            "max_staleness": 1, "n": 4}
+
+
+def write_files(tmp: Path, files: dict[str, list[dict[str, Any]]]) -> Path:
+    (tmp / "ledger").mkdir()
+    for name, rows in files.items():
+        (tmp / "ledger" / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp
+
+
+def test_an_intent_cut_off_by_kill_is_resolved_from_the_stored_op_result(
+        tmp_path: Path) -> None:
+    """The trainer retired 0:3 in Redis and was killed before its ledger line: the
+    stored op result (the ids it acted on) restores the event exactly."""
+    run = write_files(tmp_path, {"a.jsonl": clean_history(),
+                                 "trainer.jsonl": [intent("trained:t:9:5-0", [TRAIN_03])]})
+    state = {**STATE, "retired": 3, "retired:trained": 2}
+    rep = audit(run, live=LiveView(state, set(), {}, {"trained:t:9:5-0": ["5-0"]}))
+    assert rep.ok, rep.violations
+    assert rep.trained == 2 and rep.from_redis == 1
+    # the call never ran (no stored result): nothing happened, 0:3 is still in flight
+    rep = audit(run, live=LiveView(STATE, set(), {"0:3": ["x"]}, {"trained:t:9:5-0": None}))
+    assert rep.ok and rep.trained == 1, rep.violations
+    # without Redis the outcome is unknown, and the audit says so
+    rep = audit(run, STATE)
+    assert any("died during op trained:t:9:5-0" in v for v in rep.violations)
+
+
+def test_an_intent_followed_by_more_lines_did_nothing(tmp_path: Path) -> None:
+    rows = [intent("trained:t:9:5-0", [TRAIN_03]), ev("duplicate", "0:1", "trainer")]
+    assert audit(write_files(tmp_path, {"a.jsonl": clean_history(), "t.jsonl": rows}),
+                 STATE).ok
+
+
+def test_a_cursor_admitted_by_a_generator_killed_before_its_line_is_found_in_the_leases(
+        tmp_path: Path) -> None:
+    state = {**STATE, "cursor": 4, "generating": 1}
+    run = write(tmp_path, clean_history())
+    assert not audit(run, state).ok  # counters drift without knowing about cursor 3
+    rep = audit(run, live=LiveView(state, {3}, {"0:3": ["x"]}))
+    assert rep.ok and rep.admitted == 4, rep.violations
+
+
+def test_settle_writes_intent_then_only_the_events_that_happened(tmp_path: Path) -> None:
+    import asyncio
+
+    led = Ledger.for_role(tmp_path, "trainer", "trainer-0")
+    planned = [{"ev": "trained", "gid": "0:1", "id": "1-0"},
+               {"ev": "trained", "gid": "0:2", "id": "2-0"}]
+
+    async def retire() -> list[str]:
+        return ["2-0"]  # only the second entry's ack took effect
+
+    assert asyncio.run(led.settle("op1", planned, retire)) == ["2-0"]
+    rows = read_ledgers(tmp_path)
+    assert [r["ev"] for r in rows] == ["intent", "trained"]
+    assert rows[0]["planned"] == planned and rows[1]["gid"] == "0:2"
+    assert rows[1]["op"] == "op1"
+
+
+def test_sluice_audit_exits_0_clean_1_on_violations_2_without_a_ledger(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.cli import main
+
+    (tmp_path / "run").mkdir()
+    run = write(tmp_path / "run", clean_history())
+    (run / "state.json").write_text(json.dumps({"state": STATE, "num_generations": 4}))
+    assert main(["audit", str(run)]) == 0
+    assert capsys.readouterr().out.startswith("OK: ")
+    (run / "state.json").write_text(json.dumps({"state": {**STATE, "cursor": 9}}))
+    assert main(["audit", str(run)]) == 1
+    assert "Redis state cursor = 9 but the ledger counts 3" in capsys.readouterr().out
+    assert main(["audit", str(tmp_path / "nowhere")]) == 2
+    assert "has no ledger/ directory" in capsys.readouterr().err
