@@ -226,3 +226,21 @@ def tls_args(certs: Path, port: int, auth_clients: str) -> list[str]:
     return ["--tls-port", str(port), "--tls-cert-file", str(certs / "server.crt"),
             "--tls-key-file", str(certs / "server.key"),
             "--tls-ca-cert-file", str(certs / "ca.crt"), "--tls-auth-clients", auth_clients]
+
+
+def key_paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every key path into a nested dict/list message (for structural fuzzing)."""
+    out: list[tuple[Any, ...]] = []
+    items = node.items() if isinstance(node, dict) else enumerate(node) \
+        if isinstance(node, list) else []
+    for k, v in items:
+        out.append((*prefix, k))
+        out.extend(key_paths(v, (*prefix, k)))
+    return out
+
+
+def value_at(d: Any, path: tuple[Any, ...]) -> Any:
+    """The value at a key path of `key_paths`."""
+    for p in path:
+        d = d[p]
+    return d

@@ -22,21 +22,13 @@ from pipeline.audit import AuditReport, audit, live_view, pending_intents
 from pipeline.bus import Bus
 from pipeline.embedded import EmbeddedRedis, free_port
 from pipeline.keys import Keys
-from tests.helpers import spawn_role, wait_for
+from tests.helpers import run_header, spawn_role, wait_for
 
 NUM_GENERATIONS = 4
 GROUPS_PER_STEP = 4
 
+BUS = {"block_ms": 200, "claim_idle_ms": 1500, "heartbeat_s": 0.5, "reconnect_max_s": 1.0}
 CONFIG = """
-[run]
-name = "{run}"
-output_dir = "{out}"
-[bus]
-redis_url = "{url}"
-block_ms = 200
-claim_idle_ms = 1500
-heartbeat_s = 0.5
-reconnect_max_s = 1.0
 [model]
 path = "{model}"
 init = ""
@@ -71,8 +63,9 @@ class Pipeline:
         self.redis = EmbeddedRedis(tmp / "redis", port=free_port(), appendonly=True)
         self.keys = Keys(run)
         self.config = tmp / "run.toml"
-        self.config.write_text(CONFIG.format(run=run, out=self.out, url=self.redis.url,
-                                             model=model, n=NUM_GENERATIONS, g=GROUPS_PER_STEP))
+        self.config.write_text(
+            run_header(run, self.out, self.redis.url, **BUS)
+            + CONFIG.format(model=model, n=NUM_GENERATIONS, g=GROUPS_PER_STEP))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.faults = 0
 

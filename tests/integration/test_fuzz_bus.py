@@ -47,6 +47,7 @@ from pipeline.model import VOCAB_SIZE
 from pipeline.runtime import limits as run_limits
 from pipeline.schema import Rollout, RolloutGroup, ScoredGroup
 from tests.conftest import arun
+from tests.helpers import key_paths, value_at
 from trainer.batch import build_batch, completion_logits
 from trainer.loop import Trainer
 from workers.scorer import Scorer
@@ -152,34 +153,18 @@ def _value(rng: random.Random, depth: int = 0) -> Any:
     return {rng.choice(keys): _value(rng, depth + 1) for _ in range(rng.randint(0, 3))}
 
 
-def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out: list[tuple[Any, ...]] = []
-    items = node.items() if isinstance(node, dict) else enumerate(node) \
-        if isinstance(node, list) else []
-    for k, v in items:
-        out.append((*prefix, k))
-        out.extend(_paths(v, (*prefix, k)))
-    return out
-
-
-def _at(d: Any, path: tuple[Any, ...]) -> Any:
-    for p in path:
-        d = d[p]
-    return d
-
-
 def _structural(rng: random.Random, m: dict[str, Any]) -> None:
     """1-3 edits of the decoded map: replace, delete or add a field anywhere."""
     for _ in range(rng.randint(1, 3)):
-        paths = _paths(m)
+        paths = key_paths(m)
         op = rng.choice(("replace", "replace", "delete", "add"))
         if op == "add" or not paths:
-            parents = [()] + [p for p in paths if isinstance(_at(m, p), dict)]
-            _at(m, rng.choice(parents))[rng.choice(("gid", "zz", "ro", "rew", "cand"))] = \
-                _value(rng)
+            parents = [()] + [p for p in paths if isinstance(value_at(m, p), dict)]
+            key = rng.choice(("gid", "zz", "ro", "rew", "cand"))
+            value_at(m, rng.choice(parents))[key] = _value(rng)
             continue
         path = rng.choice(paths)
-        parent = _at(m, path[:-1])
+        parent = value_at(m, path[:-1])
         if op == "delete":
             del parent[path[-1]]
         else:
@@ -190,24 +175,25 @@ def _poison(rng: random.Random, m: dict[str, Any]) -> None:
     """One targeted edit of an array or envelope field: the bad values a generic mutation
     rarely hits (NaN, an id at the vocabulary size, an empty prompt, a payload one byte
     over the limit's order, another schema), with some that stay valid (a shorter group)."""
-    arrays = [p for p in _paths(m) if isinstance(p[-1], str) and isinstance(_at(m, p), bytes)]
+    arrays = [p for p in key_paths(m)
+              if isinstance(p[-1], str) and isinstance(value_at(m, p), bytes)]
     choice = rng.randrange(6)
     if choice == 0 and arrays:
         path = rng.choice(arrays)
         key = path[-1] if path[-1] in FLOAT_KEYS + INT_KEYS + ("mask",) else "parts"
-        raw = _at(m, path)
+        raw = value_at(m, path)
         if key in INT_KEYS and len(raw) >= 4:
             a = np.frombuffer(raw, "<i4").copy()
             a[rng.randrange(len(a))] = rng.choice((VOCAB_SIZE, -1, 2**31 - 1))
-            _at(m, path[:-1])[path[-1]] = a.tobytes()
+            value_at(m, path[:-1])[path[-1]] = a.tobytes()
         elif len(raw) >= 4:
             a = np.frombuffer(raw[: len(raw) // 4 * 4], "<f4").copy()
             a[rng.randrange(len(a))] = rng.choice((math.nan, math.inf, -math.inf, 0.5))
-            _at(m, path[:-1])[path[-1]] = a.tobytes()
+            value_at(m, path[:-1])[path[-1]] = a.tobytes()
     elif choice == 1 and arrays:  # one element short or long, or none at all
         path = ("pids",) if "pids" in m and rng.random() < 0.3 else rng.choice(arrays)
-        raw = _at(m, path)
-        _at(m, path[:-1])[path[-1]] = rng.choice((raw[:-4], raw + b"\0" * 4, b""))
+        raw = value_at(m, path)
+        value_at(m, path[:-1])[path[-1]] = rng.choice((raw[:-4], raw + b"\0" * 4, b""))
     elif choice == 2:
         m["schema"] = rng.choice((0, 2, 1.0, "1", True, None))
     elif choice == 3:

@@ -34,7 +34,7 @@ from pipeline.embedded import free_port
 from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP, Keys
 from pipeline.monitor import snapshot
 from pipeline.security import Credentials, load_credentials_file
-from tests.helpers import ROOT, RedisProcess, make_certs, role_logs, tls_args
+from tests.helpers import ROOT, RedisProcess, make_certs, role_logs, run_header, tls_args
 
 pytestmark = pytest.mark.integration
 
@@ -299,14 +299,6 @@ def test_roles_run_their_scripts_through_bus_with_their_own_users(
 # ---------------------------------------------------------------- short real pipelines
 
 PIPELINE = """
-[run]
-name = "{run}"
-output_dir = "{out}"
-[bus]
-redis_url = "{url}"
-block_ms = 200
-heartbeat_s = 0.5
-{bus}
 [model]
 path = "{model}"
 init = ""
@@ -331,7 +323,8 @@ def short_run(tmp: Path, run: str, url: str, model: Path, bus: str = "") -> dict
     """`sluice up` of a 3-step run against the server at ``url``; its summary."""
     out = tmp / "out"
     cfg = tmp / "run.toml"
-    cfg.write_text(PIPELINE.format(run=run, out=out, url=url, model=model, bus=bus))
+    cfg.write_text(run_header(run, out, url, block_ms=200, heartbeat_s=0.5) + bus + "\n"
+                   + PIPELINE.format(model=model))
     p = sluice("up", str(cfg), "--eval-every", "1000", timeout=240)
     logs = role_logs(out) if (out / "logs").exists() else ""
     assert p.returncode == 0, f"{p.stdout[-2000:]}\n{p.stderr[-3000:]}\n{logs}"

@@ -28,6 +28,7 @@ from pipeline.schema import (
     ScoredGroup,
     WeightsPublished,
 )
+from tests.helpers import key_paths, value_at
 
 VOCAB = 76
 SHA = "0123456789abcdef" * 4
@@ -648,16 +649,6 @@ VALUES = st.recursive(
 )
 
 
-def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out: list[tuple[Any, ...]] = []
-    items = node.items() if isinstance(node, dict) else enumerate(node) \
-        if isinstance(node, list) else []
-    for k, v in items:
-        out.append((*prefix, k))
-        out.extend(_paths(v, (*prefix, k)))
-    return out
-
-
 def _check_decodes_or_rejects(data: bytes, limits: Limits) -> None:
     try:
         msg = decode(data, limits)
@@ -682,15 +673,15 @@ def test_mutated_valid_messages_decode_or_raise_decode_error(kind: str, data: st
     limits = Limits(vocab_size=VOCAB, max_rollouts=4, max_tokens=64)
     d = raw(MAKERS[kind]())
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):
-        paths = _paths(d)
+        paths = key_paths(d)
         op = data.draw(st.sampled_from(["replace", "delete", "add"]), label="op")
         if op == "add" or not paths:
             parent = data.draw(st.sampled_from([()] + [p for p in paths if isinstance(
-                _at(d, p), dict)]), label="parent")
-            _at(d, parent)[data.draw(st.text(max_size=6), label="key")] = data.draw(VALUES)
+                value_at(d, p), dict)]), label="parent")
+            value_at(d, parent)[data.draw(st.text(max_size=6), label="key")] = data.draw(VALUES)
             continue
         path = data.draw(st.sampled_from(paths), label="path")
-        parent = _at(d, path[:-1])
+        parent = value_at(d, path[:-1])
         if op == "delete":
             del parent[path[-1]]
         else:
@@ -719,10 +710,3 @@ def test_byte_mutated_encodings_decode_or_raise_decode_error(kind: str, data: st
         else:
             del buf[i:]
     _check_decodes_or_rejects(bytes(buf), Limits(vocab_size=VOCAB))
-
-
-def _at(d: Any, path: tuple[Any, ...]) -> Any:
-    for p in path:
-        d = d[p]
-    return d
-
