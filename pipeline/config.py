@@ -35,7 +35,7 @@ class RunConfig(_Section):
     """`sluice up` stops the run after this many seconds (0 = no limit)."""
     ledger: bool = True
     """Every role appends its delivery events to ``output_dir/ledger/*.jsonl`` (about
-    0.5 KB per group in all) so `sluice audit` can check the run's whole history."""
+    1 KB per group in all) so `sluice audit` can check the run's whole history."""
 
 
 class BusConfig(_Section):

@@ -67,6 +67,7 @@ class Pipeline:
             run_header(run, self.out, self.redis.url, **BUS)
             + CONFIG.format(model=model, n=NUM_GENERATIONS, g=GROUPS_PER_STEP))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.roles: dict[str, str] = {}  # name -> sluice subcommand
         self.faults = 0
 
     def __enter__(self) -> Pipeline:
@@ -89,7 +90,7 @@ class Pipeline:
         (self.tmp / "logs").mkdir(exist_ok=True)
         p = spawn_role(role, self.config, *overrides, name=name,
                        log=self.tmp / "logs" / f"{name}.log")
-        self.procs[name] = p
+        self.procs[name], self.roles[name] = p, role
         return p
 
     def kill9(self, name: str) -> None:
@@ -112,12 +113,14 @@ class Pipeline:
         """Generators first (they finish and append what they hold), then scorers, then
         the trainer; every exit code must be 0 (or already dead by our hand)."""
         codes = {}
-        for prefix in ("gen", "score", "train"):
-            for name in [n for n in self.procs if n.startswith(prefix)]:
+        for role in ("generate", "score", "train"):
+            for name in [n for n, r in self.roles.items() if r == role]:
                 if self.procs[name].poll() is None:
                     codes[name] = self.stop(name)
         bad = {n: c for n, c in codes.items() if c != 0}
         assert not bad, f"roles exited badly {bad}:\n" + "\n".join(self.log(n) for n in bad)
+        running = [n for n, p in self.procs.items() if p.poll() is None]
+        assert not running, f"still running after stop_all: {running}"
         return codes
 
     def log(self, name: str) -> str:
