@@ -76,10 +76,10 @@ class LiveView:
     ops: dict[str, Any] = field(default_factory=dict)  # op id -> stored result (None: absent)
 
 
-def pending_intents(run_dir: Path | str) -> list[str]:
-    """Op ids of intents with no event after them: calls whose process may have died
-    between the call and its ledger line (or whose call did nothing)."""
-    return [r["op"] for r in _unresolved(read_ledgers(run_dir))]
+def pending_intents(rows: list[dict[str, Any]]) -> list[str]:
+    """Op ids of intents (in `read_ledgers` rows) with no event after them: calls whose
+    process may have died between the call and its ledger line (or that did nothing)."""
+    return [r["op"] for r in _unresolved(rows)]
 
 
 def _unresolved(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -119,15 +119,17 @@ async def live_view(bus: Bus, ops: list[str] | None = None) -> LiveView:
 
 def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
           num_generations: int | None = None, drained: bool = False,
-          live: LiveView | None = None) -> AuditReport:
+          live: LiveView | None = None,
+          rows: list[dict[str, Any]] | None = None) -> AuditReport:
     """Audit ``run_dir``'s ledgers; ``state`` is the run's Redis ``state`` hash (rule 4 is
     skipped without it; ``live`` supplies it too, and enables rule 5); ``drained`` demands
-    that nothing is left in flight."""
+    that nothing is left in flight. ``rows`` are the ledgers if already read (a long
+    run's ledgers are large: read them once for `pending_intents` and the audit)."""
     if live is not None:
         state = live.state
-    rows = read_ledgers(run_dir)
+    rows = read_ledgers(run_dir) if rows is None else rows
     rep = AuditReport(events=len(rows))
-    rows += _resolve_intents(rows, live, rep)
+    rows = [*rows, *_resolve_intents(rows, live, rep)]
     by_ev: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_ev[r["ev"]].append(r)

@@ -187,12 +187,14 @@ def _audit(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pipeline.audit import LiveView, audit, live_view, pending_intents
+    from pipeline.ledger import read_ledgers
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "ledger").is_dir():
         raise ValueError(f"{run_dir} has no ledger/ directory (run.ledger = false, or not a "
                          "run's output_dir)")
     state, num_generations, live = None, None, None
+    rows = read_ledgers(run_dir)
     if args.config:
         cfg = load_config(args.config, args.overrides)
         num_generations = cfg.generation.num_generations
@@ -202,7 +204,7 @@ def _audit(args: argparse.Namespace) -> int:
 
             bus = connect(cfg, role="monitor")
             try:
-                return await live_view(bus, pending_intents(run_dir))
+                return await live_view(bus, pending_intents(rows))
             finally:
                 await bus.close()
 
@@ -211,7 +213,7 @@ def _audit(args: argparse.Namespace) -> int:
         saved = json.loads((run_dir / "state.json").read_text())
         state, num_generations = saved["state"], saved.get("num_generations")
     report = audit(run_dir, state, num_generations=num_generations, drained=args.drained,
-                   live=live)
+                   live=live, rows=rows)
     print(report.summary())
     if state is None and live is None:
         print("(counters not checked: give --config, or run_dir/state.json)")

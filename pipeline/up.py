@@ -360,16 +360,18 @@ async def audit_run(cfg: Config) -> bool:
     if not cfg.run.ledger:
         return True
     from pipeline.audit import audit, live_view, pending_intents
+    from pipeline.ledger import read_ledgers
 
+    rows = read_ledgers(cfg.output_path)
     bus = connect(cfg, role="monitor")
     try:
-        live = await live_view(bus, pending_intents(cfg.output_path))
+        live = await live_view(bus, pending_intents(rows))
     finally:
         await bus.close()
     out = cfg.output_path
     (out / "state.json").write_text(json.dumps(
         {"state": live.state, "num_generations": cfg.generation.num_generations}))
-    report = audit(out, live=live, num_generations=cfg.generation.num_generations)
+    report = audit(out, live=live, num_generations=cfg.generation.num_generations, rows=rows)
     print(f"ledger audit ({out}/ledger): {report.summary()}", file=sys.stderr)
     return report.ok
 

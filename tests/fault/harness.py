@@ -22,6 +22,7 @@ from pipeline.audit import AuditReport, audit, live_view, pending_intents
 from pipeline.bus import Bus
 from pipeline.embedded import EmbeddedRedis, free_port
 from pipeline.keys import Keys
+from pipeline.ledger import read_ledgers
 from tests.helpers import run_header, spawn_role, wait_for
 
 NUM_GENERATIONS = 4
@@ -152,12 +153,13 @@ class Pipeline:
         async def view() -> Any:
             bus = Bus.connect(self.redis.url, self.keys.run)
             try:
-                return await live_view(bus, pending_intents(self.out))
+                return await live_view(bus, pending_intents(rows))
             finally:
                 await bus.close()
 
+        rows = read_ledgers(self.out)
         report = audit(self.out, live=asyncio.run(view()), num_generations=NUM_GENERATIONS,
-                       **kw)
+                       rows=rows, **kw)
         print(f"[fault check] {self.faults} faults injected: {report.summary()}")
         return report
 
