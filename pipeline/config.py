@@ -14,6 +14,9 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+"""Device names a role accepts (`pipeline.devices.resolve_device`)."""
+
 
 class ConfigError(ValueError):
     """A config file, key or value is wrong; the message names the key."""
@@ -98,8 +101,10 @@ class ModelConfig(_Section):
     """Local model directory (HF format). Nothing is downloaded."""
     init: Literal["", "tiny-char-qwen2"] = "tiny-char-qwen2"
     """If `path` does not exist yet, `sluice up` builds this model there ('' = never)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype of every role's copy of the model."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of every role's copy of the model. The trainer keeps its parameters
+    and optimizer state in float32 and computes in this dtype under autocast unless
+    ``trainer.fp32_master`` is false (then parameters and AdamW state are this dtype)."""
     lora: LoraConfig | None = None
     """Set (``[model.lora]``) to train a peft LoRA adapter on the frozen base instead of all
     weights; the `lora` weight store then publishes only the adapter per version."""
@@ -186,6 +191,9 @@ class GenerationConfig(_Section):
     with `vllm`, so servers always have queued work while finished groups are written."""
     threads: int = Field(1, ge=1)
     """torch threads of a generator process."""
+    device: str = Field("cpu", pattern=DEVICE_PATTERN)
+    """Device of the in-process (`transformers`) engine and of the evaluator: `auto`,
+    `cpu`, `cuda` or `cuda:N`. Asking for CUDA without it fails at start."""
 
 
 class RewardSpec(_Section):
@@ -265,11 +273,41 @@ class TrainerConfig(_Section):
     """The trainer ends the run (RunFinished) after this many optimizer steps."""
     threads: int = Field(1, ge=1)
     """torch threads of the trainer process."""
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
+    """`auto` (CUDA if available, else CPU), `cpu`, `cuda` or `cuda:N`. Under torchrun
+    `auto`/`cuda` take ``cuda:LOCAL_RANK``. Asking for CUDA without it fails at start."""
+    fp32_master: bool = True
+    """Keep float32 parameters and AdamW state and compute in ``model.dtype`` under
+    autocast (mixed precision). False: parameters and optimizer state in model.dtype."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (less memory, ~30% slower)."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Token budget of one forward/backward (prompt + completion tokens, counted as
+    forwarded: padded or packed); a step's samples are split into micro-batches under it
+    and gradients accumulate. The loss normaliser stays that of the whole step. 0 = the
+    whole step in one micro-batch. A sample longer than the budget forms its own."""
+    packing: bool = False
+    """Pack a micro-batch's samples into rows without padding (position ids restart per
+    sample; attention stays within each sample: SDPA block mask on CPU, varlen
+    flash-attention on CUDA when the model runs with a flash kernel)."""
+    prefix_sharing: bool = True
+    """With packing and an attention that takes a mask (sdpa, eager), forward a group's
+    prompt once for all its completions (a tree mask). Ignored by flash-attention."""
+    logprob_chunk_tokens: int = Field(256, ge=1)
+    """Completion tokens whose vocabulary logits are materialised at once (the LM head is
+    applied to hidden states of completion positions only, in chunks of this many, each
+    recomputed in backward): peak logit memory is O(chunk * vocab)."""
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
+    """Learning-rate schedule (transformers.get_scheduler) over ``max_steps``."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps of the learning-rate schedule."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainerConfig:
         if self.is_clip_min > self.is_clip_max:
             raise ValueError("is_clip_min must be <= is_clip_max")
+        if self.warmup_steps > self.max_steps:
+            raise ValueError("warmup_steps must be <= max_steps")
         return self
 
     @property
@@ -304,6 +342,12 @@ class Config(_Section):
         if self.generation.engine == "vllm" and not v.urls and not v.launch:
             raise ValueError("generation.vllm.urls: the vllm engine needs server URLs, or "
                              "generation.vllm.launch > 0 for `sluice up` to start servers")
+        mbt = self.trainer.micro_batch_tokens
+        if 0 < mbt <= self.generation.max_new_tokens:
+            raise ValueError(f"trainer.micro_batch_tokens: {mbt} cannot hold one prompt and "
+                             f"a {self.generation.max_new_tokens}-token completion; use 0 "
+                             "(one micro-batch per step) or a budget above "
+                             "generation.max_new_tokens")
         if v.weight_transfer == "nccl" and self.model.lora is not None:
             raise ValueError("generation.vllm.weight_transfer: nccl carries full weights; "
                              "LoRA runs use the file store")

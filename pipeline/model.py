@@ -28,6 +28,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from pipeline.devices import DTYPES
+
 if TYPE_CHECKING:  # peft is imported lazily: full-weight runs never need it
     from peft import PeftModel
 
@@ -38,14 +40,6 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOS, BOS, UNK)  # ids 0..3, fixed by pos
 PUNCTUATION: str = " =+-*,.:?!"
 VOCAB_SIZE = 76
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 def _symbols() -> list[str]:
@@ -85,6 +79,7 @@ def _tiny_config(
     num_kv_heads: int,
     intermediate_size: int,
     max_position_embeddings: int,
+    tie_word_embeddings: bool,
 ) -> Qwen2Config:
     return Qwen2Config(
         vocab_size=VOCAB_SIZE,
@@ -94,7 +89,7 @@ def _tiny_config(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         pad_token_id=SPECIAL_TOKENS.index(PAD),
         eos_token_id=SPECIAL_TOKENS.index(EOS),
         bos_token_id=SPECIAL_TOKENS.index(BOS),
@@ -112,8 +107,12 @@ def init_tiny_model(
     num_kv_heads: int = 2,
     intermediate_size: int = 512,
     max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
 ) -> Path:
     """Write a random-init Qwen2 + char tokenizer to ``out_dir``; same seed -> same weights.
+
+    ``tie_word_embeddings``: ``lm_head`` shares the input embedding (as in Qwen2.5-0.5B);
+    the checkpoint then has no ``lm_head.weight`` (``save_pretrained`` drops the alias).
 
     The directory appears atomically (written to a sibling temp dir, then renamed), so a
     concurrent reader never sees a half-written checkpoint. An existing non-empty ``out_dir``
@@ -130,6 +129,7 @@ def init_tiny_model(
         num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
     )
     # Fork the RNG so seeding here does not perturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
@@ -158,10 +158,10 @@ def load_model(
     path: str | Path, *, dtype: str = "float32", device: str | torch.device = "cpu"
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """Load (model in eval mode, tokenizer) from a local directory; never touches the network."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=_DTYPES[dtype], local_files_only=True
+        str(path), dtype=DTYPES[dtype], local_files_only=True
     )
     model.to(device)
     model.eval()

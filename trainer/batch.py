@@ -8,10 +8,16 @@ ids, the behaviour logprobs and the loss mask (``rollout.mask`` and not padding)
 Candidate sets (top-k / top-p samplers) become ``candidates [B, T, K]`` padded with -1;
 a row whose engine reported none is all -1 (full-vocabulary logprobs) and is counted in
 ``candidates_missing`` so the trainer can say so.
+
+A step's batch is split into micro-batches (`split_micro_batches`) by rows, under a token
+budget counted as the forward will see them (`Layout` in `trainer.packing`); rows of one
+group stay together so a packed forward can share their prompt. Every micro-batch is a
+`Batch` itself, trimmed to its own longest row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,10 +38,48 @@ class Batch:
     versions: torch.Tensor  # int64 [B, T]
     candidates: torch.Tensor | None = None  # int64 [B, T, K], -1 = padding / unknown
     candidates_missing: int = 0  # rows without candidate sets while others have them
+    group: torch.Tensor | None = None  # int64 [B], index of the row's group in the step
 
     @property
     def num_tokens(self) -> int:
+        """Trained (mask 1) completion tokens."""
         return int(self.mask.sum().item())
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """int64 [B]: prompt + completion tokens of each row (no padding)."""
+        return self.attention_mask.sum(dim=1)
+
+    @property
+    def completion_lens(self) -> torch.Tensor:
+        """int64 [B]: completion tokens of each row."""
+        return self.seq_lens - self.completion_start
+
+    @property
+    def groups(self) -> torch.Tensor:
+        """int64 [B]: group index per row (each row its own group when unknown)."""
+        return self.group if self.group is not None else torch.arange(self.num_rows)
+
+    def rows(self, idx: list[int] | torch.Tensor) -> Batch:
+        """The batch of rows ``idx`` (in that order), trimmed to their longest row."""
+        i = torch.as_tensor(idx, dtype=torch.long)
+        if i.numel() == 0:
+            raise ValueError("empty row selection")
+        seq = int(self.seq_lens[i].max())
+        comp = max(int(self.completion_lens[i].max()), 1)
+        cands = None
+        if self.candidates is not None:
+            cands = self.candidates[i, :comp]
+            missing = int((cands < 0).all(dim=-1).all(dim=-1).sum())
+        return Batch(self.input_ids[i, :seq], self.attention_mask[i, :seq],
+                     self.completion_start[i], self.completion_ids[i, :comp],
+                     self.behaviour_logps[i, :comp], self.mask[i, :comp], self.advantages[i],
+                     self.versions[i, :comp], cands, missing if cands is not None else 0,
+                     self.groups[i])
 
 
 def build_batch(groups: list[ScoredGroup], pad_id: int) -> Batch:
@@ -66,9 +110,54 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> Batch:
         ver[i, :n_c] = r.versions
         adv[i] = a
     cands, missing = _candidates([r for _, r, _ in rows], comp_len)
+    group = torch.tensor([g for g, sg in enumerate(groups) for _ in sg.group.rollouts])
     return Batch(*(torch.from_numpy(x) for x in (input_ids, attn, start, comp, blp, mask)),
                  advantages=torch.from_numpy(adv), versions=torch.from_numpy(ver),
-                 candidates=cands, candidates_missing=missing)
+                 candidates=cands, candidates_missing=missing, group=group)
+
+
+def split_micro_batches(batch: Batch, budget_tokens: int,
+                        cost: Callable[[Batch], int]) -> list[Batch]:
+    """Split ``batch`` into micro-batches whose ``cost`` (tokens the forward will process)
+    stays within ``budget_tokens``; 0 = no split.
+
+    Rows are taken in order, whole groups at a time (a group is split by rows only when it
+    alone exceeds the budget); a single row over the budget forms its own micro-batch.
+    Invariant: every row of ``batch`` is in exactly one micro-batch, in order.
+    """
+    if budget_tokens <= 0:
+        return [batch]
+    groups = batch.groups.tolist()
+    units: list[list[int]] = []  # rows of one group, consecutive
+    for i, g in enumerate(groups):
+        if units and groups[units[-1][0]] == g:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    out: list[Batch] = []
+    current: list[int] = []
+    for unit in units:
+        for piece in _fit(batch, unit, budget_tokens, cost):
+            if current and cost(batch.rows(current + piece)) > budget_tokens:
+                out.append(batch.rows(current))
+                current = []
+            current += piece
+    if current:
+        out.append(batch.rows(current))
+    return out
+
+
+def _fit(batch: Batch, rows: list[int], budget_tokens: int,
+         cost: Callable[[Batch], int]) -> list[list[int]]:
+    """``rows`` as one piece when it fits the budget, else split greedily by rows."""
+    if cost(batch.rows(rows)) <= budget_tokens:
+        return [rows]
+    pieces: list[list[int]] = [[]]
+    for r in rows:
+        if pieces[-1] and cost(batch.rows(pieces[-1] + [r])) > budget_tokens:
+            pieces.append([])
+        pieces[-1].append(r)
+    return pieces
 
 
 def _candidates(rollouts: list[Rollout], comp_len: int) -> tuple[torch.Tensor | None, int]:

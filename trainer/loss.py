@@ -22,7 +22,10 @@ This is TRL 1.16 ``GRPOTrainer._compute_loss`` with ``importance_sampling_level=
 Where it differs from TRL:
 
 * Nothing is divided by gradient-accumulation steps or process count: the caller passes
-  the global normaliser as ``num_items_in_batch`` (dapo) or scales the loss itself.
+  the whole step's normaliser as ``norm`` (`LossNorm`: trained tokens and rows over all
+  micro-batches and ranks), so the sum of micro-batch losses is the full-batch loss for
+  every ``loss_type`` (grpo's mean over rows divides by the step's rows; bnpo, dapo and
+  dr_grpo by its tokens or rows). ``num_items_in_batch`` (dapo) overrides the token count.
 * The importance weights are computed here from ``old`` vs ``behaviour`` on every call
   instead of once at generation time (same values). ``old_logps=None`` means
   ``logps.detach()`` (TRL with ``num_iterations=1``), so ``coef_1 == 1`` with gradient 1.
@@ -58,6 +61,7 @@ IsMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_
 __all__ = [
     "IsMode",
     "LossConfig",
+    "LossNorm",
     "LossType",
     "candidate_log_softmax",
     "entropy_from_logits",
@@ -113,6 +117,19 @@ class LossConfig:
     @property
     def eps_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass(frozen=True)
+class LossNorm:
+    """A whole step's normaliser: trained (mask 1) tokens and rows (samples), summed over
+    its micro-batches and ranks. None in `grpo_loss` means the batch's own."""
+
+    tokens: float
+    rows: int
+
+    def __post_init__(self) -> None:
+        if self.rows < 1:
+            raise ValueError(f"LossNorm.rows must be >= 1, got {self.rows}")
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -174,6 +191,7 @@ def grpo_loss(
     cfg: LossConfig,
     ref_logps: Tensor | None = None,
     num_items_in_batch: float | None = None,
+    norm: LossNorm | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Scalar loss (differentiable in ``logps`` only) and float metrics.
 
@@ -226,15 +244,17 @@ def grpo_loss(
 
     masked = per_token * mf
     n_tokens = mf.sum().clamp(min=1.0)
+    step_tokens = n_tokens if norm is None else max(norm.tokens, 1.0)
+    step_rows = shape[0] if norm is None else norm.rows
     if cfg.loss_type == "grpo":
-        loss = (masked.sum(dim=-1) / mf.sum(dim=-1).clamp(min=1.0)).mean()
+        loss = (masked.sum(dim=-1) / mf.sum(dim=-1).clamp(min=1.0)).sum() / step_rows
     elif cfg.loss_type == "bnpo":
-        loss = masked.sum() / n_tokens
+        loss = masked.sum() / step_tokens
     elif cfg.loss_type == "dr_grpo":
         assert cfg.max_completion_length is not None
-        loss = masked.sum() / (shape[0] * cfg.max_completion_length)
+        loss = masked.sum() / (step_rows * cfg.max_completion_length)
     else:  # dapo
-        loss = masked.sum() / (n_tokens if num_items_in_batch is None else num_items_in_batch)
+        loss = masked.sum() / (step_tokens if num_items_in_batch is None else num_items_in_batch)
 
     with torch.no_grad():
 

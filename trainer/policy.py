@@ -12,24 +12,41 @@ behaviour logprobs use those same old logprobs, so they are fixed for the batch.
 The KL reference (``beta > 0``) is a frozen ``ref_model`` for full-weight runs; for a
 LoRA (peft) policy it is the policy itself with its adapter disabled, i.e. the frozen
 base, so no second copy of the model is kept.
+
+A step is split into micro-batches under ``micro_batch_tokens`` (`trainer.batch`), each
+laid out padded or packed (`trainer.packing`) and forwarded through the memory-lean path
+(`trainer.logprobs`); gradients accumulate over them. The loss normaliser is the whole
+step's (`LossNorm`: every rank's trained tokens and rows), so the accumulated gradient
+equals one full-batch backward (tested for every loss_type). A data-parallel job passes a
+`DataParallel` whose ``grad_scale`` undoes the wrapper's averaging over ranks and whose
+``all_reduce`` makes the normaliser global.
+
+A step whose loss or gradient norm is not finite is skipped: gradients are dropped, the
+optimizer does not step, and the result says ``skipped = 1`` (the trainer then never
+publishes it). `token_logps` / `reference_logps` are the plain full-logits reference
+implementation the tests compare the lean path with.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from pipeline.model import is_peft
-from trainer.batch import Batch, completion_logits
+from trainer.batch import Batch, completion_logits, split_micro_batches
+from trainer.logprobs import CompletionLogprobs
 from trainer.loss import (
     LossConfig,
+    LossNorm,
     candidate_log_softmax,
-    entropy_from_logits,
     grpo_loss,
     selective_log_softmax,
 )
+from trainer.packing import LayoutKind, layout_cost, make_layout
 
 
 def token_logps(model: torch.nn.Module, batch: Batch,
@@ -69,51 +86,183 @@ class StepSettings:
     temperature: float
     num_iterations: int = 1
     max_grad_norm: float = 1.0
+    micro_batch_tokens: int = 0
+    """Forwarded-token budget of one micro-batch; 0 = the whole step at once."""
+    layout: LayoutKind = "padded"
+    chunk_tokens: int = 256
+    """Completion tokens whose vocabulary logits exist at once (`trainer.logprobs`)."""
+    pad_id: int = 0
+    compute_dtype: torch.dtype | None = None
+    """Autocast dtype (mixed precision over float32 parameters); None = no autocast."""
 
     def __post_init__(self) -> None:
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens must be >= 0, got {self.micro_batch_tokens}")
+
+
+@dataclass
+class DataParallel:
+    """How a data-parallel job combines ranks: ``all_reduce`` sums a float64 tensor over
+    ranks in place; ``grad_scale`` multiplies each rank's loss (FSDP/DDP average
+    gradients over ranks, the GRPO normaliser already divides by the global count)."""
+
+    all_reduce: Callable[[torch.Tensor], None] = field(default=lambda t: None)
+    grad_scale: float = 1.0
+
+
+def micro_batches(batch: Batch, st: StepSettings) -> list[Batch]:
+    return split_micro_batches(batch, st.micro_batch_tokens,
+                               lambda b: layout_cost(b, st.layout))
+
+
+def step_norm(batch: Batch, dp: DataParallel | None = None) -> LossNorm:
+    """The whole step's normaliser: trained tokens and rows, summed over ranks."""
+    t = torch.tensor([float(batch.mask.sum()), float(batch.num_rows)], dtype=torch.float64)
+    if dp is not None:
+        dp.all_reduce(t)
+    return LossNorm(tokens=float(t[0]), rows=int(t[1]))
+
+
+def lean_logps(model: torch.nn.Module, mb: Batch, st: StepSettings,
+               with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logps [B, T], entropy [B, T] | None)`` of a micro-batch through the memory-lean
+    path; ``model`` is a policy or its `CompletionLogprobs` wrapper (the FSDP root)."""
+    fwd = model if isinstance(model, CompletionLogprobs) else CompletionLogprobs(
+        model, st.temperature, st.chunk_tokens)
+    layout = make_layout(mb, st.layout, st.pad_id)
+    with _autocast(fwd, st.compute_dtype):
+        return fwd(layout, mb, with_entropy)
 
 
 def compute_loss(model: torch.nn.Module, batch: Batch, st: StepSettings,
                  old_logps: torch.Tensor | None = None,
-                 ref_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Differentiable loss of ``model`` on ``batch`` plus metrics (incl. entropy)."""
-    logps, comp = token_logps(model, batch, st.temperature)
-    loss, metrics = grpo_loss(logps, old_logps, batch.behaviour_logps, batch.advantages,
-                              batch.mask, st.loss, ref_logps=ref_logps)
-    with torch.no_grad():
-        ent = entropy_from_logits(comp.detach() / st.temperature)
-        m = batch.mask
+                 ref_logps: torch.Tensor | None = None, norm: LossNorm | None = None,
+                 with_entropy: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    """Differentiable loss of ``model`` on (micro-)batch ``batch`` plus metrics (incl.
+    entropy). ``norm`` is the whole step's normaliser; None = this batch's own."""
+    logps, ent = lean_logps(model, batch, st, with_entropy)
+    dev = logps.device
+    loss, metrics = grpo_loss(logps, _on(old_logps, dev), batch.behaviour_logps.to(dev),
+                              batch.advantages.to(dev), batch.mask.to(dev), st.loss,
+                              ref_logps=_on(ref_logps, dev), norm=norm)
+    if ent is not None:
+        m = batch.mask.to(dev)
         metrics["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
     return loss, metrics
 
 
+@torch.no_grad()
+def lean_reference_logps(model: torch.nn.Module, mb: Batch, st: StepSettings,
+                         ref_model: torch.nn.Module | None) -> torch.Tensor | None:
+    """`reference_logps` through the lean path (one micro-batch)."""
+    if ref_model is not None:
+        return lean_logps(ref_model, mb, st)[0]
+    policy = model.policy if isinstance(model, CompletionLogprobs) else model
+    if not is_peft(policy):
+        return None
+    with policy.disable_adapter():  # type: ignore[operator]
+        return lean_logps(model, mb, st)[0]
+
+
 def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
-             st: StepSettings, ref_model: torch.nn.Module | None = None) -> dict[str, float]:
-    """``num_iterations`` optimizer steps on ``batch``; metrics averaged over the passes.
+             st: StepSettings, ref_model: torch.nn.Module | None = None, *,
+             dp: DataParallel | None = None,
+             scaler: torch.amp.GradScaler | None = None) -> dict[str, float]:
+    """``num_iterations`` optimizer steps on ``batch``, gradients accumulated over its
+    micro-batches; metrics averaged over the passes (token-weighted within one).
 
     ``loss`` and ``entropy`` are of the first pass (the policy that the batch met);
     ``grad_norm`` is the mean pre-clip norm (a LoRA policy's frozen base has no
-    gradient, so it counts only the adapter). The reference is `reference_logps`.
+    gradient, so it counts only the adapter). ``skipped`` is 1 when a pass met a
+    non-finite loss or gradient norm: that pass did not step and later passes were not
+    run. ``micro_batches`` counts the micro-batches of the step.
     """
-    ref = old = None
+    mbs = micro_batches(batch, st)
+    norm = step_norm(batch, dp)
+    ref: list[torch.Tensor | None] = [None] * len(mbs)
+    old: list[torch.Tensor | None] = [None] * len(mbs)
     if st.loss.beta > 0:
-        ref = reference_logps(model, batch, st.temperature, ref_model)
+        ref = [lean_reference_logps(model, mb, st, ref_model) for mb in mbs]
     if st.num_iterations > 1:
         with torch.no_grad():
-            old, _ = token_logps(model, batch, st.temperature)
+            old = [lean_logps(model, mb, st)[0] for mb in mbs]
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_scale = dp.grad_scale if dp is not None else 1.0
     passes: list[dict[str, float]] = []
-    for _ in range(st.num_iterations):
-        loss, metrics = compute_loss(model, batch, st, old_logps=old, ref_logps=ref)
+    skipped = 0.0
+    for it in range(st.num_iterations):
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), st.max_grad_norm)
-        optimizer.step()
-        passes.append({**metrics, "loss": float(loss.item()), "grad_norm": float(norm)})
-    out = {k: _mean([p[k] for p in passes]) for k in passes[0]}
-    out["loss"], out["entropy"] = passes[0]["loss"], passes[0]["entropy"]
+        total = 0.0
+        acc = _Metrics()
+        for i, mb in enumerate(mbs):
+            loss, metrics = compute_loss(model, mb, st, old[i], ref[i], norm,
+                                         with_entropy=it == 0)
+            scaled = loss * grad_scale
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            total += float(loss.detach())
+            acc.add(metrics, float(mb.mask.sum()))
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, st.max_grad_norm))
+        if not (math.isfinite(total) and math.isfinite(grad_norm)):
+            optimizer.zero_grad(set_to_none=True)
+            if scaler is not None:  # let the scaler lower its scale for the next step
+                scaler.update()
+            skipped = 1.0
+            passes.append({**acc.result(), "loss": total, "grad_norm": grad_norm})
+            break
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        passes.append({**acc.result(), "loss": total, "grad_norm": grad_norm})
+    out = {k: _mean([p.get(k, math.nan) for p in passes]) for k in passes[0]}
+    out["loss"], out["entropy"] = passes[0]["loss"], passes[0].get("entropy", math.nan)
+    out["skipped"] = skipped
+    out["micro_batches"] = float(len(mbs))
     return out
+
+
+class _Metrics:
+    """Token-weighted means of per-micro-batch metrics; min/max kept as min/max."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self.extrema: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, float], tokens: float) -> None:
+        for k, v in metrics.items():
+            if math.isnan(v):
+                continue
+            if k.endswith("/min") or k.endswith("/max"):
+                pick = min if k.endswith("/min") else max
+                self.extrema[k] = pick(self.extrema.get(k, v), v)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v * tokens
+                self.weights[k] = self.weights.get(k, 0.0) + tokens
+
+    def result(self) -> dict[str, float]:
+        out = {k: self.sums[k] / w if (w := self.weights[k]) > 0 else math.nan
+               for k in self.sums}
+        return {**out, **self.extrema}
+
+
+@contextlib.contextmanager
+def _autocast(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    if dtype is None:
+        yield
+        return
+    device = next(model.parameters()).device
+    with torch.autocast(device.type, dtype=dtype):
+        yield
+
+
+def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
 
 
 def _mean(xs: list[float]) -> float:

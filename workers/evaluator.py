@@ -22,6 +22,7 @@ from typing import Any
 from pipeline import control
 from pipeline.bus import worker_id
 from pipeline.config import Config
+from pipeline.devices import resolve_device
 from pipeline.model import load_policy
 from pipeline.runtime import Heartbeat, connect, set_threads
 from pipeline.schema import RunFinished, WeightsPublished
@@ -56,7 +57,8 @@ class Evaluator:
         task = make_task(cfg.task.name, seed=cfg.run.seed, num_prompts=cfg.task.num_prompts,
                          path=cfg.task.path or None)
         self.prompts = task.heldout(cfg.task.heldout)
-        self.model, self.tokenizer = load_policy(cfg)
+        self.model, self.tokenizer = load_policy(
+            cfg, device=resolve_device(cfg.generation.device, "generation.device"))
         self.engine = TransformersEngine(self.model, self.tokenizer, seed=cfg.run.seed)
         self.store = FileWeightStore(cfg.output_path / "weights")
         self.path = cfg.output_path / "eval.jsonl"

@@ -30,6 +30,7 @@ from pipeline import control
 from pipeline.bus import TRANSIENT, Bus, worker_id
 from pipeline.codec import encode
 from pipeline.config import Config
+from pipeline.devices import resolve_device
 from pipeline.ledger import Ledger
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, join, set_threads
@@ -73,7 +74,8 @@ def make_engine(cfg: Config, tokenizer: object, seed: int) -> Engine:
         from workers.engines.vllm import VLLMEngine
 
         return VLLMEngine.from_config(cfg, seed=seed)
-    model, _ = load_policy(cfg)
+    model, _ = load_policy(cfg, device=resolve_device(cfg.generation.device,
+                                                      "generation.device"))
     return TransformersEngine(model, tokenizer, seed=seed, version=0)  # type: ignore[arg-type]
 
 

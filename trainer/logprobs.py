@@ -1,0 +1,114 @@
+"""Memory-lean logprobs: vocabulary logits only at trained completion positions, in chunks.
+
+A causal LM's ``forward`` computes ``[R, C, V]`` logits at every position; at a 152k
+vocabulary that dominates a step's memory (64 x 512 tokens: ~20 GB in float32). Here the
+decoder body runs alone (`split_lm`), the hidden states of the positions that predict a
+trained token (mask 1) are gathered into ``[N, H]``, and the LM head is applied to
+``chunk_tokens`` of them at a time. Each chunk's logits are recomputed in backward
+(activation checkpointing), so the peak is O(chunk_tokens x V) in forward and backward,
+whatever N is. Entropy is computed from the same chunk, without gradient.
+
+Results are scattered back to ``[B, T]`` (zeros where the mask is 0), the shape the loss
+(`trainer.loss`) takes. The maths is `selective_log_softmax` / `candidate_log_softmax`
+on each chunk, so values equal the full-logits path (tested to 1e-5).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pipeline.model import is_peft
+from trainer.batch import Batch
+from trainer.loss import candidate_log_softmax, entropy_from_logits, selective_log_softmax
+from trainer.packing import Layout
+
+
+def split_lm(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(decoder body returning hidden states, LM head) of a causal LM, peft-wrapped or not.
+
+    The body is the HF base model (``get_decoder()``); LoRA layers injected by peft live
+    inside it, so calling it directly still applies (or, under ``disable_adapter``, skips)
+    the adapter.
+    """
+    base = model.get_base_model() if is_peft(model) else model  # type: ignore[operator]
+    body, head = base.get_decoder(), base.get_output_embeddings()
+    if body is None or head is None:
+        raise ValueError(f"{type(base).__name__} has no decoder/LM head split "
+                         "(get_decoder / get_output_embeddings)")
+    return body, head
+
+
+class CompletionLogprobs(nn.Module):
+    """``forward(layout, batch) -> (logps [B, T], entropy [B, T] | None)`` of a policy.
+
+    A module (not a function) so that a data-parallel wrapper (FSDP2's ``fully_shard``)
+    can be applied to it as the root: its forward is the one call that runs the model.
+    """
+
+    def __init__(self, policy: nn.Module, temperature: float, chunk_tokens: int = 256):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.policy = policy
+        self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, layout: Layout, batch: Batch,
+                with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        body, head = split_lm(self.policy)
+        device = head.weight.device
+        hidden = body(input_ids=layout.input_ids.to(device),
+                      attention_mask=_to(layout.attention_mask, device),
+                      position_ids=_to(layout.position_ids, device),
+                      use_cache=False).last_hidden_state
+        sel = batch.mask > 0
+        h = hidden[layout.rows[sel].to(device), layout.cols[sel].to(device)]  # [N, H]
+        ids = batch.completion_ids[sel].to(device)
+        cands = None if batch.candidates is None else batch.candidates[sel].to(device)
+        logps, ents = [], []
+        for start in range(0, h.shape[0], self.chunk_tokens):
+            end = start + self.chunk_tokens
+            args = (h[start:end], ids[start:end],
+                    None if cands is None else cands[start:end])
+            if torch.is_grad_enabled():
+                lp, ent = checkpoint(self._chunk, head, *args, with_entropy,
+                                     use_reentrant=False)
+            else:
+                lp, ent = self._chunk(head, *args, with_entropy)
+            logps.append(lp)
+            ents.append(ent)
+        shape = batch.mask.shape
+        out = torch.zeros(shape, dtype=torch.float32, device=device)
+        out = out.masked_scatter(sel.to(device), _cat(logps, device))
+        entropy = None
+        if with_entropy:
+            entropy = torch.zeros(shape, dtype=torch.float32, device=device)
+            entropy = entropy.masked_scatter(sel.to(device), _cat(ents, device))
+        return out, entropy
+
+    def _chunk(self, head: nn.Module, h: torch.Tensor, ids: torch.Tensor,
+               cands: torch.Tensor | None,
+               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = head(h).float().unsqueeze(0)  # [1, n, V]
+        if cands is None:
+            lp = selective_log_softmax(logits, ids.unsqueeze(0), self.temperature)
+        else:
+            lp = candidate_log_softmax(logits, ids.unsqueeze(0), cands.unsqueeze(0),
+                                       self.temperature)
+        ent = torch.zeros_like(lp)
+        if with_entropy:
+            with torch.no_grad():
+                ent = entropy_from_logits(logits.detach() / self.temperature)
+        return lp.squeeze(0), ent.squeeze(0)
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, device=device)

@@ -1,0 +1,157 @@
+"""How a micro-batch's rows are laid out for the forward: padded, packed, or packed with
+shared prompts. Every layout says where the logits that predict each completion token sit.
+
+- ``padded``: one row per sample, right-padded to the longest (the batch's own tensors).
+- ``packed``: samples concatenated into rows of at most ``capacity`` tokens (first-fit
+  decreasing; capacity = the longest sample, so no row is longer than a padded one), with
+  ``position_ids`` restarting at 0 per sample and no 2D mask. transformers then finds the
+  sample boundaries from the position ids and keeps attention inside each sample: a block
+  causal mask with SDPA/eager, varlen ``cu_seqlens`` with flash-attention.
+- ``shared`` (packed + prefix sharing): a group's prompt is written once, followed by each
+  of its completions, each completion's positions continuing from the prompt's end, with
+  an explicit 4D boolean tree mask: a completion token sees the prompt and the earlier
+  tokens of its own completion only. The first completion token of every sample is
+  predicted by the prompt's last position, shared by the group. Needs an attention that
+  takes a 4D mask (sdpa, eager); flash-attention cannot express it.
+
+Invariant (tested against the padded forward to 1e-5): for every sample ``b`` and
+completion token ``t``, the hidden state at ``(rows[b, t], cols[b, t])`` equals the one the
+padded layout gives, so logprobs do not depend on the layout. Padding positions of a row
+attend to themselves only (a query that sees nothing would make SDPA return NaN, which a
+backward would multiply by zero and still propagate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from trainer.batch import Batch
+
+LayoutKind = Literal["padded", "packed", "shared"]
+
+
+@dataclass
+class Layout:
+    input_ids: torch.Tensor  # int64 [R, C]
+    position_ids: torch.Tensor | None  # int64 [R, C]; None = 0..C-1 per row
+    attention_mask: torch.Tensor | None  # int64 [R, C] (padded) | bool [R, 1, C, C] | None
+    rows: torch.Tensor  # int64 [B, T]: row of the position predicting completion token t
+    cols: torch.Tensor  # int64 [B, T]: its column
+
+    @property
+    def forwarded_tokens(self) -> int:
+        """Positions the forward computes (R * C): the cost a micro-batch budget counts."""
+        return int(self.input_ids.numel())
+
+
+def layout_cost(batch: Batch, kind: LayoutKind) -> int:
+    """Tokens a forward of ``batch`` in layout ``kind`` computes, without building it."""
+    lens = batch.seq_lens
+    if kind == "padded":
+        return int(lens.max()) * batch.num_rows
+    units = _units(batch, kind == "shared")
+    sizes = [size for size, _ in units]
+    return len(_first_fit(sizes, max(sizes))) * max(sizes)
+
+
+def make_layout(batch: Batch, kind: LayoutKind, pad_id: int) -> Layout:
+    if kind == "padded":
+        return _padded(batch)
+    units = _units(batch, kind == "shared")
+    sizes = [size for size, _ in units]
+    capacity = max(sizes)
+    bins = _first_fit(sizes, capacity)
+    n_rows, t = len(bins), batch.completion_ids.shape[1]
+    ids = torch.full((n_rows, capacity), pad_id, dtype=torch.long)
+    pos = torch.zeros((n_rows, capacity), dtype=torch.long)
+    seg = torch.full((n_rows, capacity), -1, dtype=torch.long)  # tree id per column
+    branch = torch.full((n_rows, capacity), -1, dtype=torch.long)  # -1 = prompt/own
+    rows = torch.zeros((batch.num_rows, t), dtype=torch.long)
+    cols = torch.zeros((batch.num_rows, t), dtype=torch.long)
+    starts = batch.completion_start.tolist()
+    lens = batch.seq_lens.tolist()
+    for r, members in enumerate(bins):
+        col = 0
+        for u in members:
+            _, samples = units[u]
+            p = starts[samples[0]]
+            ids[r, col:col + p] = batch.input_ids[samples[0], :p]
+            pos[r, col:col + p] = torch.arange(p)
+            seg[r, col:col + p] = u
+            last_prompt = col + p - 1
+            col += p
+            for b in samples:
+                c = lens[b] - p
+                ids[r, col:col + c] = batch.input_ids[b, p:p + c]
+                pos[r, col:col + c] = torch.arange(p, p + c)
+                seg[r, col:col + c] = u
+                branch[r, col:col + c] = b
+                rows[b, :] = r
+                cols[b, 0] = last_prompt
+                cols[b, 1:c] = torch.arange(col, col + c - 1)
+                cols[b, c:] = col + c - 1 if c > 0 else last_prompt  # padding: any valid
+                col += c
+        pad = capacity - col
+        pos[r, col:] = torch.arange(pad)  # a segment of its own: never seen by samples
+    if kind == "packed":
+        return Layout(ids, pos, None, rows, cols)
+    return Layout(ids, pos, _tree_mask(seg, branch), rows, cols)
+
+
+def _padded(batch: Batch) -> Layout:
+    b, t = batch.completion_ids.shape
+    cols = (torch.arange(t).unsqueeze(0) + batch.completion_start.unsqueeze(1) - 1)
+    cols = cols.clamp(max=batch.input_ids.shape[1] - 1)
+    rows = torch.arange(b).unsqueeze(1).expand(b, t)
+    return Layout(batch.input_ids, None, batch.attention_mask, rows.contiguous(), cols)
+
+
+def _units(batch: Batch, share: bool) -> list[tuple[int, list[int]]]:
+    """(tokens, sample rows) per packing unit: one sample, or with ``share`` one group's
+    samples behind a single copy of their (identical) prompt."""
+    lens = batch.seq_lens.tolist()
+    if not share:
+        return [(lens[b], [b]) for b in range(batch.num_rows)]
+    starts = batch.completion_start.tolist()
+    by_group: dict[int, list[int]] = {}
+    for b, g in enumerate(batch.groups.tolist()):
+        by_group.setdefault(g, []).append(b)
+    units = []
+    for samples in by_group.values():
+        p = starts[samples[0]]
+        units.append((p + sum(lens[b] - p for b in samples), samples))
+    return units
+
+
+def _first_fit(sizes: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: unit indices per row, each row's sizes summing to at most
+    ``capacity`` (every size is at most capacity)."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        for k, room in enumerate(free):
+            if sizes[i] <= room:
+                bins[k].append(i)
+                free[k] -= sizes[i]
+                break
+        else:
+            bins.append([i])
+            free.append(capacity - sizes[i])
+    return bins
+
+
+def _tree_mask(seg: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    """bool [R, 1, C, C]: query i sees key j iff j <= i, both in one tree, and j is the
+    prompt or i's own completion. Padding (seg -1) sees only itself."""
+    c = seg.shape[1]
+    causal = torch.ones(c, c, dtype=torch.bool).tril()
+    same_tree = (seg.unsqueeze(2) == seg.unsqueeze(1)) & (seg.unsqueeze(2) >= 0)
+    key_prompt = (branch == -1).unsqueeze(1)
+    same_branch = branch.unsqueeze(2) == branch.unsqueeze(1)
+    mask = causal & same_tree & (key_prompt | same_branch)
+    mask |= torch.eye(c, dtype=torch.bool)
+    return mask.unsqueeze(1)
