@@ -87,6 +87,7 @@ class Bus:
         self._trim = client.register_script(lua.TRIM_ACKED)
         self._retire_consumer = client.register_script(lua.RETIRE_CONSUMER)
         self._prune = client.register_script(lua.PRUNE_CONSUMERS)
+        self._trainer_lock = client.register_script(lua.TRAINER_LOCK)
 
     @classmethod
     def connect(cls, url: str, run: str, *, reconnect_max_s: float = 10.0,
@@ -178,6 +179,11 @@ class Bus:
         resp = await self.r.xreadgroup(group, consumer, {stream: ">"}, count=count,
                                        block=block_ms)
         return _entries(resp)
+
+    def replay_pending(self, stream: str, group: str, consumer: str) -> None:
+        """Make the next `read_group` of ``consumer`` replay its pending entries from the
+        start (as after a restart; their delivery counts rise)."""
+        self._backlog[(stream, group, consumer)] = "0"
 
     async def delivery_counts(self, stream: str, group: str, ids: list[str]) -> dict[str, int]:
         if not ids:
@@ -297,6 +303,17 @@ class Bus:
             args=[cursor, owner, b"reason", reason.encode()[:2000], b"role", role.encode(),
                   b"group_id", group_id.encode(), b"t", str(time.time()).encode()])
         return bool(done)
+
+    async def trainer_lock(self, holder: str, ttl_ms: int) -> str:
+        """Take (or refresh) the run's trainer lock for ``holder``; returns the holder
+        after the call: ``holder`` itself, or the job that holds it."""
+        return _s(await self._trainer_lock(keys=[self.keys.trainer_lock],
+                                           args=[holder, ttl_ms]))
+
+    async def release_trainer_lock(self, holder: str) -> None:
+        """Drop the lock if ``holder`` has it (a clean stop frees the run at once)."""
+        if _s(await self.r.get(self.keys.trainer_lock) or b"") == holder:
+            await self.r.delete(self.keys.trainer_lock)
 
     async def set_version(self, version: int) -> bool:
         return bool(await self._set_version(keys=[self.keys.state], args=[version]))

@@ -117,6 +117,18 @@ def _check_role_inputs(cfg: Config, cmd: str) -> None:
         raise ConfigError(f"model.path: no model at {model.resolve()} (no config.json); "
                           "point it at a local model directory, or build the tiny one with "
                           "`sluice init-model DIR`")
+    if cmd in ("train", "up"):
+        from pipeline.devices import resolve_device
+
+        resolve_device(cfg.trainer.device, "trainer.device")
+        if cfg.model.dtype == "float16" and not cfg.trainer.fp32_master:
+            raise ConfigError("trainer.fp32_master: model.dtype float16 needs float32 master "
+                              "weights (loss scaling); set it true or use bfloat16")
+    if cmd in ("generate", "eval", "up") and (cmd == "eval" or
+                                              cfg.generation.engine == "transformers"):
+        from pipeline.devices import resolve_device
+
+        resolve_device(cfg.generation.device, "generation.device")
     if cmd == "score":
         from workers.rewards import load_reward
 

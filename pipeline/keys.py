@@ -62,6 +62,11 @@ class Keys:
         """Hash cursor -> "owner|deadline_ms" of admitted groups not yet appended."""
         return f"{self.prefix}:leases"
 
+    @property
+    def trainer_lock(self) -> str:
+        """String ``job id`` with a TTL: the one trainer job allowed to train this run."""
+        return f"{self.prefix}:trainer"
+
     def op(self, op_id: str) -> str:
         """Result of one idempotent script call, kept `pipeline.bus.OP_TTL_S` seconds."""
         return f"{self.prefix}:op:{op_id}"

@@ -214,11 +214,12 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, *, seed: int | None = N
     return peft_model
 
 
-def load_policy(cfg: Config, *, device: str | torch.device = "cpu"
+def load_policy(cfg: Config, *, device: str | torch.device = "cpu", dtype: str | None = None
                 ) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """(policy in eval mode, tokenizer): the base model of ``cfg.model``, wrapped with a
-    LoRA adapter (seeded by ``run.seed``) when ``cfg.model.lora`` is set."""
-    model, tok = load_model(cfg.model.path, dtype=cfg.model.dtype, device=device)
+    LoRA adapter (seeded by ``run.seed``) when ``cfg.model.lora`` is set. ``dtype``
+    overrides ``model.dtype`` (the trainer's float32 master weights)."""
+    model, tok = load_model(cfg.model.path, dtype=dtype or cfg.model.dtype, device=device)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg.model.lora, seed=cfg.run.seed)
     return model, tok

@@ -218,3 +218,14 @@ if tonumber(ARGV[1]) > v then
 end
 return 0
 """
+
+TRAINER_LOCK = """
+-- KEYS: lock; ARGV: holder, ttl_ms. Takes a free lock or refreshes our own; returns the
+-- holder after the call (ours on success, the other job's id otherwise).
+local cur = redis.call('GET', KEYS[1])
+if (not cur) or cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return ARGV[1]
+end
+return cur
+"""

@@ -8,6 +8,13 @@ weight store publishes it) for a LoRA run: the frozen base is the model director
 itself, so it is never copied. A checkpoint directory appears only complete (written
 under a temporary name, then renamed); the newest complete one is resumed, and resuming
 a LoRA checkpoint into a full-weight run (or the reverse) is refused, not half-loaded.
+
+``optimizer.pt`` holds ``{"optimizer": …, "scheduler": …}``: the optimizer state keyed by
+parameter name (``torch.distributed.checkpoint.state_dict``'s full state dict), so a
+checkpoint written by N FSDP ranks resumes in a one-process trainer and the reverse, and
+the learning-rate schedule's position. Older checkpoints (a plain
+``optimizer.state_dict()``) still load. In a data-parallel job every rank calls `save` and
+`load_latest` (they gather and scatter the shards); rank 0 alone touches the files.
 """
 
 from __future__ import annotations
@@ -19,10 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from pipeline.model import adapter_state, adapter_to_model_keys, is_peft, model_state_for_publish
+from pipeline.model import adapter_state, adapter_to_model_keys, is_peft
 from pipeline.weights import ADAPTER_FILE, WEIGHTS_FILE
+from trainer.distributed import Ranks, full_state
+
+Scheduler = torch.optim.lr_scheduler.LRScheduler
 
 
 @dataclass
@@ -39,17 +56,24 @@ class Checkpointer:
         self.keep = keep
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             state: TrainerState) -> Path:
+             state: TrainerState, scheduler: Scheduler | None = None,
+             ranks: Ranks | None = None) -> Path | None:
+        """Write ``step-<N>/``; in a job, every rank calls it and rank 0 writes (returns
+        the path on rank 0, None elsewhere)."""
+        ranks = ranks or Ranks()
+        weights = adapter_state(model) if is_peft(model) else full_state(model, ranks)
+        optim = get_optimizer_state_dict(model, optimizer, options=_options(ranks))
+        if not ranks.is_main:
+            return None
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step-{state.step:08d}"
         tmp = self.root / f".tmp-step-{state.step:08d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        if is_peft(model):
-            save_file(adapter_state(model), str(tmp / ADAPTER_FILE))
-        else:
-            save_file(model_state_for_publish(model), str(tmp / WEIGHTS_FILE))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        save_file(weights, str(tmp / (ADAPTER_FILE if is_peft(model) else WEIGHTS_FILE)))
+        torch.save({"optimizer": optim,
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None},
+                   tmp / "optimizer.pt")
         (tmp / "meta.json").write_text(json.dumps(state.__dict__))
         if final.exists():
             shutil.rmtree(final)
@@ -63,8 +87,12 @@ class Checkpointer:
             return []
         return sorted(p for p in self.root.glob("step-*") if (p / "meta.json").exists())
 
-    def load_latest(self, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> TrainerState | None:
+    def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Scheduler | None = None,
+                    ranks: Ranks | None = None) -> TrainerState | None:
+        ranks = ranks or Ranks()
+        if ranks.distributed:
+            return self._load_distributed(model, optimizer, scheduler, ranks)
         ckpts = self.list()
         if not ckpts:
             return None
@@ -80,5 +108,47 @@ class Checkpointer:
                                   strict=False)
         else:
             model.load_state_dict(load_file(str(weights)))
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        saved = torch.load(path / "optimizer.pt", weights_only=True)
+        if "optimizer" in saved:
+            set_optimizer_state_dict(model, optimizer, saved["optimizer"],
+                                     options=_options(ranks))
+            if scheduler is not None and saved.get("scheduler") is not None:
+                scheduler.load_state_dict(saved["scheduler"])
+        else:  # written before parameter-name keys: a plain optimizer.state_dict()
+            optimizer.load_state_dict(saved)
         return TrainerState(**json.loads((path / "meta.json").read_text()))
+
+    def _load_distributed(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                          scheduler: Scheduler | None, ranks: Ranks) -> TrainerState | None:
+        """Rank 0 reads the newest checkpoint; its tensors are broadcast into every rank's
+        shards. Full-weight runs only (LoRA jobs run on one rank)."""
+        path = self.list()[-1] if ranks.is_main and self.list() else None
+        found = torch.tensor([1 if path is not None else 0])
+        dist.broadcast(found, 0)
+        if not int(found):
+            return None
+        weights: dict[str, torch.Tensor] = {}
+        saved: dict = {"optimizer": {}, "scheduler": None}
+        if path is not None:
+            if not (path / WEIGHTS_FILE).is_file():
+                raise ValueError(f"checkpoint {path} has no {WEIGHTS_FILE} (a LoRA run's?)")
+            weights = load_file(str(path / WEIGHTS_FILE))
+            saved = torch.load(path / "optimizer.pt", weights_only=True)
+            if "optimizer" not in saved:
+                raise ValueError(f"checkpoint {path} predates parameter-name optimizer "
+                                 "state; resume it with one rank first")
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, weights, options=opts)
+        set_optimizer_state_dict(model, optimizer, saved["optimizer"], options=opts)
+        meta = json.loads((path / "meta.json").read_text()) if path is not None else {}
+        blob = json.loads(ranks.broadcast_bytes(  # JSON over a byte tensor: no pickle
+            json.dumps({"meta": meta, "scheduler": saved.get("scheduler")}).encode()
+            if ranks.is_main else None))
+        if scheduler is not None and blob["scheduler"] is not None:
+            scheduler.load_state_dict(blob["scheduler"])
+        return TrainerState(**blob["meta"])
+
+
+def _options(ranks: Ranks) -> StateDictOptions:
+    return StateDictOptions(full_state_dict=True, cpu_offload=ranks.distributed)
+

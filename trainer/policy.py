@@ -205,8 +205,16 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
             acc.add(metrics, float(mb.mask.sum()))
         if scaler is not None:
             scaler.unscale_(optimizer)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, st.max_grad_norm))
-        if not (math.isfinite(total) and math.isfinite(grad_norm)):
+        norm_t = torch.nn.utils.clip_grad_norm_(params, st.max_grad_norm)
+        if hasattr(norm_t, "full_tensor"):  # FSDP2: a DTensor of the global norm
+            norm_t = norm_t.full_tensor()
+        grad_norm = float(norm_t)
+        bad = not (math.isfinite(total) and math.isfinite(grad_norm))
+        if dp is not None:  # every rank: the global loss, and one skip decision
+            agree = torch.tensor([total if not bad else 0.0, float(bad)], dtype=torch.float64)
+            dp.all_reduce(agree)
+            total, bad = (math.nan if agree[1] > 0 else float(agree[0])), bool(agree[1] > 0)
+        if bad:
             optimizer.zero_grad(set_to_none=True)
             if scaler is not None:  # let the scaler lower its scale for the next step
                 scaler.update()

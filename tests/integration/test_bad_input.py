@@ -431,7 +431,7 @@ def test_trainer_acks_deleted_entries_and_retires_stale_and_duplicate_groups_onc
         try:
             buf = await asyncio.wait_for(tr.collect(bus, asyncio.Event()), 10)
             assert [i for i, _ in buf] == [ids[0], ids[4]]
-            assert tr.counts == {"stale": 1, "duplicates": 1, "dead": 0, "trained_groups": 0}
+            assert {k: v for k, v in tr.counts.items() if v} == {"stale": 1, "duplicates": 1}
             assert await _pending_ids(bus, k.scored, TRAINERS_GROUP) == [ids[0], ids[4]]
             assert await bus.r.xlen(k.dlq) == 0
             assert await bus.state() == {"retired": 1, "retired:stale": 1}
