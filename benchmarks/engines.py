@@ -50,12 +50,11 @@ from typing import Any, TypeVar
 
 import aiohttp
 import psutil
-from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
 
 from pipeline.model import init_tiny_model, load_model, model_state_for_publish
 from pipeline.runtime import set_threads
-from pipeline.weights import WEIGHTS_FILE, FileWeightStore
+from pipeline.transports import FileTransport, read_full
 from workers.engines.base import Completion, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.engines.vllm import VLLMEngine
@@ -231,7 +230,7 @@ async def swaps(a: argparse.Namespace, vl: VLLMEngine, tf: TransformersEngine,
         assert await tf.load_weights(ckpts[v % 2], v, "safetensors")
         load.append(time.perf_counter() - t)
     for v in range(k + 1, 2 * k + 1):
-        state = load_file(str(ckpts[v % 2] / WEIGHTS_FILE))
+        state = read_full(ckpts[v % 2])
         t = time.perf_counter()
         tf.update_weights(state, v)
         apply.append(time.perf_counter() - t)
@@ -373,10 +372,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sluice-bench-engines-") as d:
         tmp = Path(d)
         model_dir = init_tiny_model(tmp / "model_a", seed=0)
-        store = FileWeightStore(tmp / "weights")
-        ckpts = [store.dir_for(1), store.dir_for(2)]  # A (served at start), B
+        store = FileTransport(tmp / "weights")
+        ckpts = [store.store.dir_for(1), store.store.dir_for(2)]  # A (served at start), B
         for v, src in ((1, model_dir), (2, init_tiny_model(tmp / "model_b", seed=1))):
-            store.publish(model_state_for_publish(load_model(src)[0]), version=v, step=0)
+            store.write(model_state_for_publish(load_model(src)[0]), version=v, step=0)
         t0 = time.perf_counter()
         spec = ServerSpec(python=a.vllm_python, model=str(model_dir), cpu_core=0)
         server = launch([spec], tmp / "vllm", timeout_s=300)[0]

@@ -7,7 +7,7 @@ figures in its heartbeat. It never writes to a stream, so it can be started or s
 at any time without affecting the run.
 
 Weights (full or a LoRA adapter: the policy is built by `load_policy`, like a
-generator's) are verified by the store and loaded through the engine's own
+generator's) are verified by the run's transport and loaded through the engine's own
 `load_weights`, so the evaluator scores exactly what generators would sample from.
 """
 
@@ -26,7 +26,7 @@ from pipeline.devices import resolve_device
 from pipeline.model import load_policy
 from pipeline.runtime import Heartbeat, connect, set_threads
 from pipeline.schema import RunFinished, WeightsPublished
-from pipeline.weights import FileWeightStore, WeightError
+from pipeline.transports import WeightError, make_transport
 from workers.engines.transformers import TransformersEngine
 from workers.generator import render_prompt
 from workers.rewards import exact_match, match_reward
@@ -60,7 +60,7 @@ class Evaluator:
         self.model, self.tokenizer = load_policy(
             cfg, device=resolve_device(cfg.generation.device, "generation.device"))
         self.engine = TransformersEngine(self.model, self.tokenizer, seed=cfg.run.seed)
-        self.store = FileWeightStore(cfg.output_path / "weights")
+        self.weights = make_transport(cfg)  # engine side: receive (verify) versions
         self.path = cfg.output_path / "eval.jsonl"
         self.t0 = time.time()
         self.last: dict[str, Any] = {}
@@ -78,9 +78,10 @@ class Evaluator:
 
     async def load(self, msg: WeightsPublished) -> bool:
         """Swap in an announced version (verified; the engine is idle, so it applies now).
-        False, keeping the current weights, when it cannot be loaded."""
+        False, keeping the current weights, when it cannot be loaded. Verifying and
+        reading run in worker threads, so the heartbeat goes on during a big load."""
         try:
-            path = self.store.verify(msg)
+            path = await self.weights.receive(msg)
             return await self.engine.load_weights(path, msg.version, msg.format)
         except (WeightError, OSError, ValueError) as e:
             log.warning("cannot evaluate v%d: %s", msg.version, e)

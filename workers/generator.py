@@ -4,7 +4,8 @@ Loop: claim up to ``batch_groups`` admission slots from the gate (Lua over ``sta
 map each cursor to ``(epoch, prompt_index)`` by a per-epoch seeded shuffle; decode all
 their completions in one batch; XADD one `RolloutGroup` per prompt. A watcher coroutine
 follows ``control`` and queues each strictly newer, hash-verified weight version on the
-engine, which swaps it in between decode steps, so each token's version is exact.
+engine (verified and read in worker threads: `pipeline.transports`), which swaps it in
+between decode steps, so each token's version is exact.
 
 Invariant: once admitted, a group is appended exactly once or retired ``dead``. Each
 admitted cursor is leased to this generator (``generation.lease_s``, renewed while it
@@ -35,7 +36,7 @@ from pipeline.ledger import Ledger
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, join, set_threads
 from pipeline.schema import Rollout, RolloutGroup, RunFinished, WeightsPublished
-from pipeline.weights import FileWeightStore, WeightError
+from pipeline.transports import WeightError, make_transport
 from workers.engines.base import Completion, Engine, EngineError, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.tasks import make_task, prompt_for_cursor
@@ -89,7 +90,7 @@ class Generator:
         # distinct, reproducible sampling streams per generator name
         seed = (cfg.run.seed * 1_000_003 + zlib.crc32(self.wid.encode())) % 2**31
         self.engine: Engine = make_engine(cfg, self.tokenizer, seed)
-        self.store = FileWeightStore(cfg.output_path / "weights")
+        self.weights = make_transport(cfg)  # engine side: receive (verify) versions
         self.params = SamplingParams(
             max_new_tokens=cfg.generation.max_new_tokens, temperature=cfg.generation.temperature,
             top_k=cfg.generation.top_k, top_p=cfg.generation.top_p)
@@ -125,12 +126,14 @@ class Generator:
         engine could not load (a file that matches its sha256 but is not loadable, tensors
         that do not fit the model, no server taking it) is refused like one that fails
         verification: counted in ``rejected_weights``, logged, and the engine keeps the
-        weights it has; the next announcement (or catch-up) tries again."""
+        weights it has; the next announcement (or catch-up) tries again. Verifying
+        (hashing every shard) and reading run off the event loop, so heartbeats, lease
+        renewals and decoding go on during a big load."""
         async with self._swap_lock:
             if msg.version <= self.engine.version:
                 return
             try:
-                path = self.store.verify(msg)
+                path = await self.weights.receive(msg)
             except (WeightError, OSError, ValueError) as e:
                 self.rejected_weights += 1
                 log.warning("refusing weights v%d: %s", msg.version, e)

@@ -1,4 +1,10 @@
-"""Trainer → vLLM weight push over NCCL (vLLM 0.32 dense ``nccl`` weight-transfer backend).
+"""The `nccl` transport: trainer → vLLM weight push over NCCL (vLLM 0.32's dense ``nccl``
+weight-transfer backend), with the `file` transport as the store engines fall back to.
+
+`NCCLTransport.publish` pushes the version to every server first (a failed push is
+logged, and the sync stays broken), then writes it to the store and returns that
+announcement: a generator finds its servers already labelled with the version and
+reloads from disk only a server that missed the push (`workers.engines.vllm_weights`).
 
 NEEDS CUDA GPUs AND NCCL. Untested end to end: it cannot run on CPU machines (vLLM CPU's
 worker builds the engine, but ``/init_weight_transfer_engine`` fails without an
@@ -49,10 +55,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 
+from pipeline.schema import WeightsPublished
+from pipeline.transports.base import WeightSource, WeightTransport
+from pipeline.transports.file import FileTransport, publishable
+
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("sluice.vllm_nccl")
+log = logging.getLogger("sluice.nccl")
 T = TypeVar("T")
 Pairs = list[tuple[str, "torch.Tensor"]]
 Weights = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
@@ -290,3 +300,36 @@ class NCCLWeightSync:
                                        num_buffers=self.num_buffers)
         torch.cuda.current_stream().synchronize()
 
+
+
+class NCCLTransport(WeightTransport):
+    """Push each version to the vLLM servers over NCCL, then publish it with ``fallback``
+    (whose store generators verify and reload from). `start` joins the group."""
+
+    name = "nccl"
+    format = "safetensors"
+
+    def __init__(self, sync: NCCLWeightSync, fallback: FileTransport) -> None:
+        super().__init__(fallback.store)
+        self.sync, self.fallback = sync, fallback
+
+    async def start(self) -> None:
+        await self.sync.init()
+
+    async def close(self) -> None:
+        await self.sync.close()
+
+    async def publish(self, source: WeightSource, *, version: int,
+                      step: int) -> WeightsPublished:
+        stats: dict[str, float] = {}
+        if self.sync.group is not None and not self.sync.broken:
+            try:
+                stats["nccl_pause_s"] = await self.sync.push(publishable(source), version)
+            except Exception as e:  # the store + announcement below still carry it
+                log.error("NCCL weight push of v%d failed: %s", version, e)
+        msg = await self.fallback.publish(source, version=version, step=step)
+        self.stats = {**self.fallback.stats, **stats}
+        return msg
+
+    def write(self, source: WeightSource, *, version: int, step: int) -> WeightsPublished:
+        return self.fallback.write(source, version=version, step=step)

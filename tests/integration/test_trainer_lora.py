@@ -14,7 +14,7 @@ from pipeline.config import Config, load_config
 from pipeline.embedded import EmbeddedRedis
 from pipeline.keys import TRAINERS_GROUP
 from pipeline.model import adapter_state, load_policy
-from pipeline.weights import ADAPTER_FILE, FileWeightStore
+from pipeline.transports import ADAPTER_FILE, LoraTransport
 from tests.conftest import arun
 from tests.integration.test_trainer import _scored
 from trainer.loop import Trainer
@@ -56,14 +56,14 @@ def test_lora_trainer_announces_adapters_that_engines_load_and_resumes(
     tr, msg = arun(go())
     assert tr.state.step == 1 and tr.state.version == 1
     assert msg is not None and (msg.version, msg.format) == (1, "lora")
-    store = FileWeightStore(cfg.output_path / "weights")
-    assert (store.dir_for(0) / ADAPTER_FILE).is_file()  # the initial version is an adapter too
-    assert not (store.dir_for(1) / "model.safetensors").exists()
+    store = LoraTransport(cfg.output_path / "weights")
+    assert (store.store.dir_for(0) / ADAPTER_FILE).is_file()  # the initial version too
+    assert not list(store.store.dir_for(1).glob("model*.safetensors"))
 
     # a generator's engine (same config) follows the announcement to the trainer's adapter
     model, tok = load_policy(cfg)
     eng = TransformersEngine(model, tok)
-    assert arun(eng.load_weights(store.verify(msg), msg.version, msg.format))
+    assert arun(eng.load_weights(arun(store.receive(msg)), msg.version, msg.format))
     trained = adapter_state(tr.model)
     assert _same(adapter_state(eng.model), trained)
     assert not _same(adapter_state(load_policy(cfg)[0]), trained)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import numpy as np
@@ -239,3 +240,70 @@ def test_degenerate_inputs(dirs: tuple[Path, Path]) -> None:
         asyncio.run(eng.generate([[]], 1, SamplingParams(4)))
     with pytest.raises(ValueError):
         SamplingParams(4, temperature=0.0)
+
+
+def _trained(path: Path, seed: int) -> torch.nn.Module:
+    """The model at ``path`` after a (random) update of every parameter; tied
+    embeddings stay tied (the update is in place)."""
+    model, _ = load_model(path)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("alias", ["copied", "dropped"])
+def test_tied_embeddings_reload_refreshes_lm_head(tmp_path: Path, alias: str) -> None:
+    """A tied model (``lm_head.weight`` is the input embedding, as in Qwen2.5-0.5B)
+    loads published weights whether the checkpoint copies the alias (what the `file`
+    transport publishes) or drops it (what ``save_pretrained`` writes): the engine's
+    lm_head stays tied and is the new embedding, so greedy tokens and logprobs equal the
+    trained model's."""
+    from pipeline.transports import FileTransport
+
+    base = init_tiny_model(tmp_path / "tied", seed=0, tie_word_embeddings=True)
+    trained = _trained(base, seed=1)
+    if alias == "copied":
+        t = FileTransport(tmp_path / "w", max_shard_bytes=64 * 1024)
+        path = asyncio.run(t.receive(asyncio.run(t.publish(trained, version=1, step=1))))
+    else:
+        path = tmp_path / "hf"
+        trained.save_pretrained(path)
+    eng = _engine(base)
+    before = asyncio.run(eng.greedy(PROMPTS, 12))
+    assert asyncio.run(eng.load_weights(path, 1))
+    model = eng.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert torch.equal(model.lm_head.weight, trained.model.embed_tokens.weight)
+    want = asyncio.run(TransformersEngine(trained, EOS).greedy(PROMPTS, 12))
+    got = asyncio.run(eng.greedy(PROMPTS, 12))
+    assert [c.token_ids.tolist() for c in got] == [c.token_ids.tolist() for c in want]
+    assert [c.token_ids.tolist() for c in got] != [c.token_ids.tolist() for c in before]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-6)
+        assert (g.versions == 1).all()
+
+
+def test_full_weights_are_read_off_the_event_loop(dirs: tuple[Path, Path],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow read (0.3 s, blocking) of a big checkpoint does not stall decoding."""
+    import workers.engines.transformers as tf
+
+    read = tf.read_weights
+    monkeypatch.setattr(tf, "read_weights", lambda *a: (time.sleep(0.3), read(*a))[1])
+    eng = _engine(dirs[0])
+
+    async def go() -> tuple[int, list[list[Completion]]]:
+        load = asyncio.create_task(eng.load_weights(dirs[1], 1))
+        await asyncio.sleep(0)
+        done = 0
+        while not load.done():
+            await eng.generate([[5, 6, 7]], 1, SamplingParams(max_new_tokens=2, greedy=True))
+            done += 1
+        assert await load
+        return done, await eng.generate(PROMPTS, 1, SamplingParams(4, greedy=True))
+
+    decoded_during_load, out = asyncio.run(go())
+    assert decoded_during_load >= 3 and eng.version == 1
+    assert all((g[0].versions == 1).all() for g in out)

@@ -18,13 +18,15 @@ from transformers import DynamicCache
 from pipeline.config import Config, load_config
 from pipeline.model import adapter_state, init_tiny_model, load_model, load_policy
 from pipeline.schema import ScoredGroup
-from pipeline.weights import (
+from pipeline.transports import (
     ADAPTER_CONFIG,
     ADAPTER_FILE,
     MANIFEST,
-    FileWeightStore,
+    FileTransport,
+    LoraTransport,
     WeightError,
     sha256_file,
+    table_sha256,
 )
 from tests.helpers import check_pause_keep_swap, make_group
 from trainer.batch import Batch, build_batch
@@ -115,15 +117,16 @@ def test_publish_lora_writes_a_peft_directory_that_reloads_to_the_same_logits(
     for _ in range(3):
         tr.train_step(_groups())
     tr.model.eval()
-    store = FileWeightStore(tmp_path / "w")
-    msg = store.publish_lora(tr.model, version=2, step=5, base_model=base_dir)
-    d = store.dir_for(2)
+    lora = LoraTransport(tmp_path / "w", base_model=base_dir)
+    msg = lora.write(tr.model, version=2, step=5)
+    d = lora.store.dir_for(2)
     assert (msg.version, msg.step, msg.format) == (2, 5, "lora")
-    assert msg.uri == d.as_uri() and store.verify(msg) == d
+    assert msg.uri == d.as_uri() and lora.store.verify(msg) == d
     assert sorted(p.name for p in d.iterdir()) == sorted([ADAPTER_FILE, ADAPTER_CONFIG, MANIFEST])
-    assert msg.sha256 == sha256_file(d / ADAPTER_FILE)
-    assert msg.nbytes == (d / ADAPTER_FILE).stat().st_size
-    assert json.loads((d / MANIFEST).read_text())["files"] == {ADAPTER_FILE: msg.sha256}
+    files = {n: sha256_file(d / n) for n in (ADAPTER_FILE, ADAPTER_CONFIG)}
+    assert json.loads((d / MANIFEST).read_text())["files"] == files
+    assert msg.sha256 == table_sha256(files)
+    assert msg.nbytes == sum((d / n).stat().st_size for n in files)
     conf = json.loads((d / ADAPTER_CONFIG).read_text())
     assert conf["base_model_name_or_path"] == str(base_dir.resolve())
     assert (conf["r"], conf["lora_alpha"], conf["peft_type"]) == (4, 8, "LORA")
@@ -139,17 +142,17 @@ def test_publish_lora_writes_a_peft_directory_that_reloads_to_the_same_logits(
 
 def test_tampered_adapter_is_refused(base_dir: Path, tmp_path: Path) -> None:
     model, _ = load_policy(_cfg(base_dir, tmp_path))
-    store = FileWeightStore(tmp_path / "w")
-    msg = store.publish_lora(model, version=1, step=1)
-    f = store.dir_for(1) / ADAPTER_FILE
+    lora = LoraTransport(tmp_path / "w")
+    msg = lora.write(model, version=1, step=1)
+    # announced as full weights, the directory has none: refused, not misread
+    with pytest.raises(WeightError, match=r"the manifest is for v1 \(lora\)"):
+        lora.store.verify(dataclasses.replace(msg, format="safetensors"))
+    f = lora.store.dir_for(1) / ADAPTER_FILE
     data = bytearray(f.read_bytes())
     data[-1] ^= 0xFF
     f.write_bytes(bytes(data))
     with pytest.raises(WeightError, match="sha256"):
-        store.verify(msg)
-    # announced as full weights, the directory has none: refused, not misread
-    with pytest.raises(WeightError, match="does not exist"):
-        store.verify(dataclasses.replace(msg, format="safetensors", sha256=sha256_file(f)))
+        lora.store.verify(msg)
 
 
 # ------------------------------------------------------------------ training
@@ -239,13 +242,13 @@ def test_checkpoint_round_trip_restores_adapter_and_optimizer(
 
 
 def _published(base_dir: Path, tmp_path: Path, seed: int = 1,
-               version: int = 1) -> tuple[torch.nn.Module, FileWeightStore, Path]:
+               version: int = 1) -> tuple[torch.nn.Module, LoraTransport, Path]:
     """A peft model with random adapter weights, published as ``version``."""
     src, _ = load_policy(_cfg(base_dir, tmp_path))
     _perturb(src, seed)
-    store = FileWeightStore(tmp_path / "w")
-    msg = store.publish_lora(src, version=version, step=version)
-    return src, store, store.verify(msg)
+    lora = LoraTransport(tmp_path / "w")
+    msg = lora.write(src, version=version, step=version)
+    return src, lora, lora.store.verify(msg)
 
 
 def test_engine_loads_a_lora_version_and_decodes_like_the_adapter(
@@ -307,7 +310,7 @@ def test_engine_refuses_mismatched_weights(base_dir: Path, tmp_path: Path) -> No
     narrow, _ = load_policy(_cfg(base_dir, tmp_path, 'model.lora.target_modules=["q_proj"]'))
     with pytest.raises(WeightMismatchError, match="does not match"):
         asyncio.run(TransformersEngine(narrow, tok).load_weights(path, 1, "lora"))
-    full = FileWeightStore(tmp_path / "full").publish(plain.state_dict(), version=1, step=1)
+    full = FileTransport(tmp_path / "full").write(plain.state_dict(), version=1, step=1)
     with pytest.raises(WeightMismatchError, match="full weights"):
         asyncio.run(eng.load_weights(Path(full.uri.removeprefix("file://")), 1))
     assert eng.version == 0 and eng._pending is None
@@ -317,8 +320,8 @@ def test_evaluator_follows_lora_announcements(base_dir: Path, tmp_path: Path) ->
     cfg = _cfg(base_dir, tmp_path, "task.heldout=4")
     src, _ = load_policy(cfg)
     _perturb(src, seed=1)
-    store = FileWeightStore(cfg.output_path / "weights")  # the evaluator's store
-    msg = store.publish_lora(src, version=3, step=3)
+    lora = LoraTransport(cfg.output_path / "weights")  # the evaluator's store
+    msg = lora.write(src, version=3, step=3)
     ev = Evaluator(cfg, every_s=0.0)
     assert asyncio.run(ev.load(msg)) and ev.engine.version == 3
     a, b = adapter_state(ev.model), adapter_state(src)

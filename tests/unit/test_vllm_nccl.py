@@ -1,4 +1,4 @@
-"""workers.engines.vllm_nccl: the HTTP orchestration of vLLM's NCCL weight transfer.
+"""pipeline.transports.nccl: the HTTP orchestration of vLLM's NCCL weight transfer.
 
 No GPU: the NCCL join and broadcast are replaced by fakes that block until the servers'
 side of the "rendezvous" arrives (as NCCL would), so concurrency is checked, not assumed.
@@ -25,7 +25,7 @@ import torch
 from aiohttp import web
 
 from pipeline.embedded import free_port
-from workers.engines.vllm_nccl import NCCLWeightSync, WeightSyncError, update_info
+from pipeline.transports.nccl import NCCLWeightSync, WeightSyncError, update_info
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 5.0

@@ -15,7 +15,7 @@ import torch
 
 from pipeline.config import LoraConfig
 from pipeline.model import apply_lora, load_model
-from pipeline.weights import FileWeightStore
+from pipeline.transports import LoraTransport
 from tests.vllm.conftest import VLLMServer
 from workers.engines import SamplingParams
 from workers.engines.vllm import VLLMEngine
@@ -26,7 +26,7 @@ PROMPTS = [[10, 11, 12, 13, 66], [20, 21, 22, 66]]
 def publish_adapters(srv: VLLMServer, root: Path, versions: list[int]) -> list[tuple[Any, Path]]:
     """One random (large) adapter per version on model_a, published like the trainer
     does; returns (peft model, directory) per version."""
-    store = FileWeightStore(root, keep=100)
+    store = LoraTransport(root, keep=100, base_model=srv.model_dir)
     out = []
     for v in versions:
         base, _ = load_model(srv.model_dir)
@@ -36,8 +36,8 @@ def publish_adapters(srv: VLLMServer, root: Path, versions: list[int]) -> list[t
                 if "lora_" in name:
                     p.normal_(0, 0.5, generator=torch.Generator().manual_seed(v * 1000 +
                                                                               len(name)))
-        msg = store.publish_lora(model, version=v, step=v, base_model=str(srv.model_dir))
-        out.append((model, store.verify(msg)))
+        msg = store.write(model, version=v, step=v)
+        out.append((model, store.store.verify(msg)))
     return out
 
 

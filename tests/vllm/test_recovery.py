@@ -30,7 +30,7 @@ from pipeline.embedded import EmbeddedRedis
 from pipeline.keys import Keys
 from pipeline.model import load_model, model_state_for_publish
 from pipeline.schema import RolloutGroup
-from pipeline.weights import FileWeightStore
+from pipeline.transports import FileTransport
 from tests.helpers import run_header, spawn_role, wait_for, write_config
 from tests.vllm.conftest import VLLMServer
 from workers.engines.vllm import VLLMEngine
@@ -49,8 +49,8 @@ def weight_label(url: str) -> str | None:
 
 def announce_v1(cfg_out: Path, srv: VLLMServer, redis_url: str, run: str) -> None:
     model, _ = load_model(srv.other_model_dir)
-    msg = FileWeightStore(cfg_out / "weights").publish(model_state_for_publish(model),
-                                                       version=1, step=1)
+    msg = FileTransport(cfg_out / "weights").write(model_state_for_publish(model),
+                                                   version=1, step=1)
 
     async def go() -> None:
         bus = Bus.connect(redis_url, run)

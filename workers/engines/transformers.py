@@ -5,9 +5,13 @@ under the processed sampling distribution, (b) per-token weight versions and (c)
 to swap weights between decode steps while keeping the KV cache (vLLM-style pause-keep).
 The cache is passed as ``cache=`` (transformers >= 5.2x renamed ``past_key_values``).
 
-Weights come in two formats: full ``safetensors`` state dicts, or a ``lora`` adapter
-directory (peft format) for a peft-wrapped model; both go through the same pending swap,
-so LoRA versions land between decode steps exactly like full weights.
+Weights come in two formats: full weights (an HF folder: sharded safetensors behind an
+index, as the `file` transport publishes, or one ``model.safetensors``), or a ``lora``
+adapter directory (peft format) for a peft-wrapped model; both are read in a worker
+thread (decoding and the role's heartbeats go on meanwhile) and go through the same
+pending swap, so LoRA versions land between decode steps exactly like full weights.
+Tied embeddings stay tied: the swap copies into the model's tensors in place, so a new
+input embedding is the new ``lm_head`` too.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from pipeline.model import adapter_to_model_keys, is_peft
-from pipeline.weights import weight_file
+from pipeline.transports import WeightError, read_adapter, read_full
+from pipeline.transports.file import aliases
 from workers.engines.base import Completion, EngineError, SamplingParams
 
 
@@ -77,6 +81,7 @@ def read_weights(model: torch.nn.Module, path: Path, fmt: str) -> dict[str, torc
     For ``lora`` only the adapter's tensors (``model`` must be peft-wrapped); for
     ``safetensors`` the full state (``model`` must not be: its keys are the base's).
     Raises `WeightMismatchError` on a format/model mismatch or an unreadable file.
+    Blocking (reads every shard): `TransformersEngine.load_weights` runs it in a thread.
     """
     if fmt not in ("safetensors", "lora"):
         raise WeightMismatchError(f"the transformers engine cannot load {fmt!r} weights")
@@ -84,9 +89,9 @@ def read_weights(model: torch.nn.Module, path: Path, fmt: str) -> dict[str, torc
         raise WeightMismatchError("full weights announced for a LoRA (peft) model: "
                                   "[model.lora] must match between the trainer and this role")
     try:
-        state = load_file(str(path / weight_file(fmt)))
-    except (SafetensorError, OSError) as e:  # hash verified, yet not loadable: junk published
-        raise WeightMismatchError(f"{weight_file(fmt)} is not a readable safetensors file: "
+        state = read_full(path) if fmt == "safetensors" else read_adapter(path)
+    except (SafetensorError, OSError, WeightError) as e:  # verified, yet not loadable: junk
+        raise WeightMismatchError(f"{path.name}: not loadable safetensors weights: "
                                   f"{e}") from e
     if fmt == "safetensors":
         _check_full_state(model, state)
@@ -98,14 +103,16 @@ def read_weights(model: torch.nn.Module, path: Path, fmt: str) -> dict[str, torc
 
 
 def _check_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Full weights must name exactly the model's tensors with the model's shapes.
+    """Full weights must name exactly the model's tensors with the model's shapes; an
+    alias (``lm_head.weight`` of tied embeddings) may be absent, as HF checkpoints omit it.
 
     Checked before a swap is queued because ``load_state_dict`` copies tensor by tensor
     and only then reports missing keys or wrong shapes: a bad file found at the swap
     would leave the model half old, half new, under the old version number.
     """
     own = model.state_dict()
-    missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    required = own.keys() - aliases(own).keys()
+    missing, extra = sorted(required - state.keys()), sorted(state.keys() - own.keys())
     if missing or extra:
         raise WeightMismatchError(f"weights do not match the model: missing {missing[:3]} "
                                   f"({len(missing)}), unexpected {extra[:3]} ({len(extra)})")
@@ -168,24 +175,29 @@ class TransformersEngine:
         ``adapter_model.safetensors``, re-keyed to this model's adapter tensors; only those
         are swapped (the frozen base stays). Mismatches (a LoRA adapter for a plain model,
         full weights for a LoRA model, another rank) raise here, before
-        anything is queued, never at the swap (`WeightMismatchError`).
+        anything is queued, never at the swap (`WeightMismatchError`). The files are read
+        in a worker thread; decoding goes on meanwhile.
         """
-        newest = self._pending[1] if self._pending is not None else self.version
-        if version <= newest:
+        if version <= self._newest():
             return False
-        state = read_weights(self.model, Path(path), fmt)
-        self.update_weights(state, version, strict=fmt != "lora")
+        state = await asyncio.to_thread(read_weights, self.model, Path(path), fmt)
+        if version <= self._newest():  # a newer one was queued while we read
+            return False
+        self.update_weights(state, version, strict=False)  # keys checked by read_weights
         return True
+
+    def _newest(self) -> int:
+        return self._pending[1] if self._pending is not None else self.version
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, *,
                        strict: bool = True) -> None:
         """Queue (or, when idle, apply) a swap; stale versions are dropped silently.
 
-        ``strict=False`` swaps a subset of the state (a LoRA adapter's tensors); the keys
-        must already be known to be the model's (see `read_weights`).
+        ``strict=False`` swaps a subset of the state (a LoRA adapter's tensors, or full
+        weights without the alias of tied embeddings); the keys must already be known to
+        be the model's (see `read_weights`).
         """
-        newest = self._pending[1] if self._pending is not None else self.version
-        if version <= newest:
+        if version <= self._newest():
             return
         self._pending = (state_dict, version, strict)
         if self._active == 0:

@@ -1,0 +1,45 @@
+"""Weight transports: the contract (base.py) and its implementations.
+
+`make_transport` picks the run's transport from its config; every role builds the same
+one: the trainer publishes with it, generators and the evaluator receive with it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipeline.transports.base import WeightError, WeightSource, WeightTransport
+from pipeline.transports.file import FileTransport, read_full
+from pipeline.transports.lora import LoraTransport, read_adapter
+from pipeline.transports.store import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
+    INDEX,
+    MANIFEST,
+    WeightStore,
+    sha256_file,
+    table_sha256,
+)
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "INDEX", "MANIFEST", "FileTransport",
+           "LoraTransport", "WeightError", "WeightSource", "WeightStore", "WeightTransport",
+           "make_transport", "read_adapter", "read_full", "sha256_file", "table_sha256"]
+
+
+def make_transport(cfg: Config, *, keep: int = 4) -> WeightTransport:
+    """`lora` for ``[model.lora]`` runs; `nccl` when the vLLM servers take NCCL pushes
+    (``generation.vllm.weight_transfer = "nccl"``); otherwise `file`. All of them
+    store versions under ``<output_dir>/weights``; ``keep`` is the pruning window."""
+    root = cfg.output_path / "weights"
+    if cfg.model.lora is not None:
+        return LoraTransport(root, keep=keep, base_model=cfg.model.path)
+    v = cfg.generation.vllm
+    if cfg.generation.engine == "vllm" and v.weight_transfer == "nccl":
+        from pipeline.transports.nccl import NCCLTransport, NCCLWeightSync
+
+        sync = NCCLWeightSync(v.urls, v.nccl_master_address, v.nccl_master_port)
+        return NCCLTransport(sync, FileTransport(root, keep=keep))
+    return FileTransport(root, keep=keep)

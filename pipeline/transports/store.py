@@ -1,0 +1,217 @@
+"""The weight store: one directory per version, every file listed in a sha256 manifest.
+
+Layout: ``<output_dir>/weights/v<N>/`` holds the format's files (`file`: sharded
+safetensors + ``model.safetensors.index.json``; `lora`: ``adapter_model.safetensors`` +
+``adapter_config.json``) and ``manifest.json``::
+
+    {"version": N, "step": S, "format": "safetensors",
+     "files": {"<name>": "<sha256 hex>", ...}, "bytes": {"<name>": <size>, ...}}
+
+The announced sha256 is that of the manifest's canonical file table (`table_sha256`):
+one line ``<sha256 hex>  <name>\\n`` per file, sorted by name, UTF-8 — exactly what
+``sha256sum`` prints for those files in name order, so
+``cd v<N> && sha256sum $(ls | grep -v manifest.json) | sha256sum`` reproduces it.
+
+Writing (`WeightStore.commit`) hashes each file's bytes as they are written; nothing is
+read back. Verifying (`WeightStore.verify`) streams every listed file through sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from pipeline.schema import WeightsPublished
+from pipeline.transports.base import WeightError
+
+MANIFEST = "manifest.json"
+INDEX = "model.safetensors.index.json"  # HF's name; vLLM and transformers read it
+ADAPTER_FILE = "adapter_model.safetensors"  # peft's names; vLLM's load_lora_adapter
+ADAPTER_CONFIG = "adapter_config.json"
+MAX_MANIFEST_BYTES = 16 * 2**20
+MAX_INDEX_BYTES = 256 * 2**20
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    """sha256 of a file, streamed (constant memory whatever its size)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def table_sha256(files: Mapping[str, str]) -> str:
+    """sha256 of the canonical file table (lines ``<sha256>  <name>``, sorted by name):
+    the one hash an announcement carries for a whole multi-file version."""
+    table = "".join(f"{files[name]}  {name}\n" for name in sorted(files))
+    return hashlib.sha256(table.encode()).hexdigest()
+
+
+def _plain_name(name: object) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\\" not in name and name != MANIFEST)
+
+
+class WeightStore:
+    """Version directories under ``root``; see the module docstring for the layout.
+
+    Versions older than ``keep`` behind the newest published are pruned (the staleness
+    window). `verify` refuses a URI outside ``root`` (after resolving symlinks of the
+    directory and of each file), so a hostile announcement cannot make a role or a vLLM
+    server read any other path.
+    """
+
+    def __init__(self, root: str | Path, *, keep: int = 4) -> None:
+        self.root = Path(root).resolve()
+        self.keep = keep
+
+    def dir_for(self, version: int) -> Path:
+        return self.root / f"v{version:08d}"
+
+    # ------------------------------------------------------------------ writing
+    def commit(self, files: Iterable[tuple[str, bytes]], *, fmt: str, version: int,
+               step: int) -> WeightsPublished:
+        """Write ``files`` (name, bytes; produced lazily, one in memory at a time) as
+        ``v<version>/`` atomically: each is hashed as written, then the manifest, then
+        the temporary directory is renamed into place and old versions are pruned."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.dir_for(version)
+        tmp = self.root / f".tmp-v{version:08d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        digests: dict[str, str] = {}
+        sizes: dict[str, int] = {}
+        try:
+            for name, data in files:
+                if not _plain_name(name) or name in digests:
+                    raise ValueError(f"bad or repeated weight file name {name!r}")
+                digests[name] = hashlib.sha256(data).hexdigest()
+                sizes[name] = len(data)
+                with open(tmp / name, "wb") as f:
+                    f.write(data)
+                del data
+            (tmp / MANIFEST).write_text(json.dumps(
+                {"version": version, "step": step, "format": fmt, "files": digests,
+                 "bytes": sizes}, indent=1, sort_keys=True))
+            if final.exists():  # a re-publish of the same version (e.g. after a restart)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.prune(version)
+        nbytes = sum(sizes.values())
+        return WeightsPublished(version=version, step=step, uri=final.as_uri(), format=fmt,
+                                sha256=table_sha256(digests), nbytes=nbytes, t=time.time())
+
+    def prune(self, newest: int) -> None:
+        for d in self.root.glob("v*"):
+            try:
+                v = int(d.name[1:])
+            except ValueError:
+                continue
+            if v < newest - self.keep:
+                shutil.rmtree(d, ignore_errors=True)
+
+    # ------------------------------------------------------------------ reading
+    def path_of(self, uri: str) -> Path:
+        parsed = urlparse(uri)
+        if parsed.scheme != "file":
+            raise WeightError(f"unsupported weight URI scheme in {uri!r}")
+        path = Path(unquote(parsed.path)).resolve()
+        if not path.is_relative_to(self.root):
+            raise WeightError(f"weight URI {uri!r} lies outside the weight store {self.root}")
+        return path
+
+    def _inside(self, path: Path, what: str) -> Path:
+        if not path.resolve().is_relative_to(self.root):  # a symlinked file inside the store
+            raise WeightError(f"{what}: {path} resolves outside the weight store {self.root}")
+        return path
+
+    def manifest(self, msg: WeightsPublished) -> tuple[Path, dict[str, Any]]:
+        """The version's directory and its manifest, checked against the announcement
+        (version, format, and the file table's sha256) but not yet against the files."""
+        directory = self.path_of(msg.uri)
+        what = f"weights v{msg.version}"
+        path = self._inside(directory / MANIFEST, what)
+        if not path.is_file():
+            raise WeightError(f"{what}: {path} does not exist")
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise WeightError(f"{what}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes")
+        try:
+            man = json.loads(path.read_bytes())
+            files = man["files"]
+            ok = (isinstance(files, dict) and files
+                  and all(_plain_name(k) and isinstance(v, str) for k, v in files.items()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise WeightError(f"{what}: unreadable {MANIFEST}: {e}") from e
+        if not ok:
+            raise WeightError(f"{what}: {MANIFEST} lists no files or bad file names")
+        digest = table_sha256(files)
+        if digest != msg.sha256:
+            raise WeightError(f"{what}: sha256 {digest[:12]}… of the manifest's file table "
+                              f"does not match the announced {msg.sha256[:12]}…")
+        if man.get("version") != msg.version or man.get("format") != msg.format:
+            raise WeightError(f"{what}: the manifest is for v{man.get('version')} "
+                              f"({man.get('format')}), the announcement for v{msg.version} "
+                              f"({msg.format})")
+        return directory, man
+
+    def verify(self, msg: WeightsPublished) -> Path:
+        """The announced version's directory, after checking its location, its manifest
+        against the announcement, every listed file's sha256 (streamed) and size, that
+        no unlisted file is present, and the format's layout. Blocking: disk + hashing."""
+        directory, man = self.manifest(msg)
+        what = f"weights v{msg.version}"
+        files: dict[str, str] = man["files"]
+        sizes = man.get("bytes") or {}
+        present = {p.name for p in directory.iterdir()} - {MANIFEST}
+        unlisted = sorted(present - files.keys())
+        if unlisted:
+            raise WeightError(f"{what}: files not in the manifest: {unlisted[:3]}")
+        for name in sorted(files):
+            path = self._inside(directory / name, what)
+            if not path.is_file():
+                raise WeightError(f"{what}: {path} does not exist")
+            if name in sizes and path.stat().st_size != sizes[name]:
+                raise WeightError(f"{what}: {name} has {path.stat().st_size} bytes, the "
+                                  f"manifest says {sizes[name]}")
+            digest = sha256_file(path)
+            if digest != files[name]:
+                raise WeightError(f"{what}: sha256 {digest[:12]}… of {name} does not match "
+                                  f"the manifest's {files[name][:12]}…")
+        _check_layout(directory, msg.format, set(files), what)
+        return directory
+
+
+def _check_layout(directory: Path, fmt: str, files: set[str], what: str) -> None:
+    """The files an engine needs for ``fmt`` are there (and, for full weights, the index
+    maps every tensor to a listed shard, and every listed shard is in the index)."""
+    if fmt == "lora":
+        missing = {ADAPTER_FILE, ADAPTER_CONFIG} - files
+        if missing:
+            raise WeightError(f"{what}: a lora version without {sorted(missing)}")
+        return
+    if fmt != "safetensors":
+        raise WeightError(f"{what}: unknown weight format {fmt!r}")
+    if INDEX not in files:
+        raise WeightError(f"{what}: {INDEX} does not exist")
+    if (directory / INDEX).stat().st_size > MAX_INDEX_BYTES:
+        raise WeightError(f"{what}: {INDEX} is larger than {MAX_INDEX_BYTES} bytes")
+    try:
+        weight_map = json.loads((directory / INDEX).read_bytes())["weight_map"]
+        shards = set(weight_map.values())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise WeightError(f"{what}: unreadable {INDEX}: {e}") from e
+    listed = {f for f in files if f.endswith(".safetensors")}
+    if not shards or shards != listed:
+        raise WeightError(f"{what}: the index names shards {sorted(shards)[:3]}, the "
+                          f"manifest {sorted(listed)[:3]}")
