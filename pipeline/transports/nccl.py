@@ -5,6 +5,8 @@ weight-transfer backend), with the `file` transport as the store engines fall ba
 logged, and the sync stays broken), then writes it to the store and returns that
 announcement: a generator finds its servers already labelled with the version and
 reloads from disk only a server that missed the push (`workers.engines.vllm_weights`).
+The push sends what the store writes (`pipeline.transports.file.publishable`: with tied
+embeddings, ``lm_head.weight`` as its own tensor).
 
 NEEDS CUDA GPUs AND NCCL. Untested end to end: it cannot run on CPU machines (vLLM CPU's
 worker builds the engine, but ``/init_weight_transfer_engine`` fails without an
