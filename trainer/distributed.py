@@ -79,7 +79,8 @@ class Ranks:
     def data_parallel(self) -> DataParallel | None:
         if not self.distributed:
             return None
-        return DataParallel(all_reduce=lambda t: dist.all_reduce(t), grad_scale=self.world)
+        return DataParallel(all_reduce=lambda t: dist.all_reduce(t), grad_scale=self.world,
+                            all_max=_all_max)
 
     def check_config(self, cfg: Config) -> None:
         """Every rank must run the same config: rank 0's is broadcast and compared key by
@@ -167,6 +168,12 @@ def full_state(module: nn.Module, ranks: Ranks) -> dict[str, torch.Tensor]:
     sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
                                                                cpu_offload=True))
     return {k: v.contiguous() for k, v in sd.items()}
+
+
+def _all_max(n: int) -> int:
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:

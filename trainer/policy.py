@@ -110,6 +110,9 @@ class DataParallel:
 
     all_reduce: Callable[[torch.Tensor], None] = field(default=lambda t: None)
     grad_scale: float = 1.0
+    all_max: Callable[[int], int] = field(default=lambda n: n)
+    """The largest of every rank's ``n``: each rank runs that many micro-batches (FSDP's
+    collectives need the same number of forwards and backwards on every rank)."""
 
 
 def micro_batches(batch: Batch, st: StepSettings) -> list[Batch]:
@@ -178,8 +181,15 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
     gradient, so it counts only the adapter). ``skipped`` is 1 when a pass met a
     non-finite loss or gradient norm: that pass did not step and later passes were not
     run. ``micro_batches`` counts the micro-batches of the step.
+
+    In a data-parallel job a rank with fewer micro-batches than the busiest rank repeats
+    its first one at weight 0 (same collectives, zero gradient).
     """
     mbs = micro_batches(batch, st)
+    weights = [1.0] * len(mbs)
+    if dp is not None:
+        extra = dp.all_max(len(mbs)) - len(mbs)
+        mbs, weights = mbs + [mbs[0]] * extra, weights + [0.0] * extra
     norm = step_norm(batch, dp)
     ref: list[torch.Tensor | None] = [None] * len(mbs)
     old: list[torch.Tensor | None] = [None] * len(mbs)
@@ -199,10 +209,11 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
         for i, mb in enumerate(mbs):
             loss, metrics = compute_loss(model, mb, st, old[i], ref[i], norm,
                                          with_entropy=it == 0)
-            scaled = loss * grad_scale
+            scaled = loss * (grad_scale * weights[i])
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
-            total += float(loss.detach())
-            acc.add(metrics, float(mb.mask.sum()))
+            if weights[i]:
+                total += float(loss.detach())
+                acc.add(metrics, float(mb.mask.sum()))
         if scaler is not None:
             scaler.unscale_(optimizer)
         norm_t = torch.nn.utils.clip_grad_norm_(params, st.max_grad_norm)
@@ -230,7 +241,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
     out = {k: _mean([p.get(k, math.nan) for p in passes]) for k in passes[0]}
     out["loss"], out["entropy"] = passes[0]["loss"], passes[0].get("entropy", math.nan)
     out["skipped"] = skipped
-    out["micro_batches"] = float(len(mbs))
+    out["micro_batches"] = float(sum(w > 0 for w in weights))
     return out
 
 

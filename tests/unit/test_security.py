@@ -133,6 +133,7 @@ def test_template_renders_one_user_per_role_with_hashed_passwords() -> None:
     keys = set(re.findall(r"~(sluice:\{[^}]*\}:[\w:*]+)", text))
     assert keys == {f"sluice:{{demo}}:{k}" for k in
                     ("rollouts", "scored", "control", "dlq", "state", "workers", "leases",
+                     "trainer",
                      "op:*", "*")}
 
 
