@@ -320,6 +320,13 @@ class UpConfig(_Section):
     """Scorer processes `sluice up` starts."""
     generators: int = Field(1, ge=0, le=64)
     """Generator processes `sluice up` starts."""
+    trainer_ranks: int = Field(1, ge=1, le=64)
+    """Data-parallel trainer ranks: > 1 runs the trainer as one ``torchrun`` job of this
+    many processes (FSDP2; gloo on CPU, nccl on GPU; README: Training on GPUs and many
+    ranks)."""
+    trainer_restarts: int = Field(3, ge=0, le=100)
+    """With trainer_ranks > 1: torchrun's ``--max-restarts``. A rank that dies takes the
+    job down; torchrun restarts every rank, which resume from the newest checkpoint."""
     plot: bool = True
     """Write reward_curve.png into output_dir at the end."""
     stop_at_eval_exact: float = Field(0.0, ge=0, le=1)

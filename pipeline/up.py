@@ -16,6 +16,7 @@ tail of its log, never hidden behind a pipeline that looks healthy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config
-from pipeline.embedded import EmbeddedRedis
+from pipeline.embedded import EmbeddedRedis, free_port
 from pipeline.monitor import snapshot
 from pipeline.runtime import connect, redis_options
 from pipeline.security import COMMAND_ROLES, env_for_role
@@ -41,6 +42,7 @@ class Child:
     name: str
     proc: subprocess.Popen[bytes]
     log: Path
+    spawned: float = field(default_factory=time.time)
 
     def tail(self, n: int = 30) -> str:
         try:
@@ -74,6 +76,12 @@ class Supervisor:
         (out / "logs").mkdir(parents=True, exist_ok=True)
         log = out / "logs" / f"{name}.log"
         args = [sys.executable, "-m", "pipeline.cli", role, self.config_path]
+        if role == "train" and self.cfg.up.trainer_ranks > 1:  # one torchrun job
+            args = [sys.executable, "-m", "torch.distributed.run",
+                    "--nproc_per_node", str(self.cfg.up.trainer_ranks),
+                    "--max-restarts", str(self.cfg.up.trainer_restarts),
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                    "-m", "trainer", self.config_path]
         for o in [*self.overrides, f"bus.redis_url={self.cfg.redis_url}"]:
             args += ["--set", o]
         args += ["--name", name, *(extra or [])]
@@ -83,10 +91,11 @@ class Supervisor:
                "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                "PYTHONUNBUFFERED": "1"}
+        spawned = time.time()
         with open(log, "ab") as f:
             proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
-        self.children.append(Child(role, name, proc, log))
+        self.children.append(Child(role, name, proc, log, spawned))
 
     def start_roles(self, trainer_ready_s: float = 300.0, vllm_urls: list[str] | None = None
                     ) -> None:
@@ -113,10 +122,11 @@ class Supervisor:
         key = Keys(self.cfg.run.name).workers
         deadline = time.time() + timeout_s
         trainer = self.children[0]
+        spawned = trainer.spawned
 
-        def ready() -> bool:  # a heartbeat from THIS trainer process, not an old one
+        def ready() -> bool:  # a heartbeat from THIS trainer (its rank 0), not an old one
             raw = client.hget(key, "trainer/trainer-0")
-            return raw is not None and json.loads(raw).get("pid") == trainer.proc.pid
+            return raw is not None and json.loads(raw).get("started", 0) >= spawned
 
         try:
             while not ready():
@@ -132,7 +142,7 @@ class Supervisor:
     def terminate(self, grace_s: float = 20.0) -> None:
         for ch in self.children:
             if ch.proc.poll() is None:
-                ch.proc.send_signal(signal.SIGTERM)
+                stop_gracefully(ch.proc)
         deadline = time.time() + grace_s
         for ch in self.children:
             try:
@@ -169,6 +179,31 @@ class Supervisor:
         if dn <= 0:
             return None, None
         return (last.reward - ref.reward) / dn, (last.exact - ref.exact) / dn
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(d.name))
+    return sorted(out)
+
+
+def stop_gracefully(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a role. A torchrun job (the trainer with ``up.trainer_ranks`` > 1) gets it
+    on its ranks, not on torchrun: rank 0 then stops every rank, writes the final
+    checkpoint, and torchrun exits 0 with them (torchrun itself answers SIGTERM by
+    exiting with an error although its ranks stopped cleanly)."""
+    is_job = "torch.distributed.run" in " ".join(map(str, proc.args))  # type: ignore[arg-type]
+    ranks = child_pids(proc.pid) if is_job else []
+    for pid in ranks or [proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
 
 def urls_override(urls: list[str]) -> list[str]:

@@ -232,6 +232,9 @@ class Trainer:
         if not self.ranks.is_main:
             await asyncio.to_thread(self.follow)
             return
+        log.info("trainer job of %d ranks on %s (layout %s, micro-batch budget %s)",
+                 self.ranks.world, self.s.device, self.step_settings.layout,
+                 self.tc.micro_batch_tokens or "off")
         bus = connect(self.cfg)
         lock = TrainerLock(bus, ttl_s=min(30.0, max(2.5, 5 * self.cfg.bus.heartbeat_s)))
         try:

@@ -53,3 +53,26 @@ def test_sluice_up_short_run_learns_balances_and_exits_cleanly(tmp_path: Path) -
     assert [m["step"] for m in metrics] == list(range(1, 91))  # resumed, not restarted
     versions = [m["version"] for m in metrics]
     assert versions == sorted(versions) and len(set(versions)) == 90  # never backwards
+
+
+def test_sluice_up_with_two_trainer_ranks_learns_and_passes_the_audit(tmp_path: Path) -> None:
+    """The trainer as one torchrun job of 2 FSDP2 ranks (gloo): rank 0 reads and scatters,
+    the run learns, and `sluice up`'s audit (run when it stops; a violation fails the
+    run) finds every group retired once."""
+    out = tmp_path / "run"
+    cfg = tmp_path / "e2e.toml"
+    cfg.write_text((ROOT / "examples" / "copy.toml").read_text())
+    args = up_args(cfg, out, tmp_path / "model", "e2e2", "trainer.save_steps=25",
+                   "run.max_time_s=400", "up.trainer_ranks=2", "up.scorers=1")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=520)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reason"] == "finished" and summary["steps"] == 80, summary
+    assert summary["conservation"]["balanced"], summary
+    assert summary["conservation"]["by_reason"]["trained"] == 80 * 8
+    assert summary["eval_reward_after"] > 2 * summary["eval_reward_before"], summary
+    assert "ledger audit" in proc.stderr and "640 trained" in proc.stderr, proc.stderr[-2000:]
+    log = (out / "logs" / "trainer-0.log").read_text()
+    assert "trainer job of 2 ranks" in log, log[-3000:]
