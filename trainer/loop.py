@@ -62,7 +62,7 @@ from trainer.batch import Batch, build_batch
 from trainer.checkpoint import Checkpointer, TrainerState
 from trainer.distributed import IDLE, STEP, STOP, full_state
 from trainer.lock import TrainerLock
-from trainer.policy import optimize
+from trainer.policy import compute_loss, optimize
 from trainer.reader import Reader
 
 log = logging.getLogger("sluice.trainer")
@@ -165,6 +165,17 @@ class Trainer:
                         "sets: their IS ratios compare a truncated sampler with a full-vocab "
                         "trainer (biased); see metric candidates/missing_frac", missing, n_rows)
         return missing / max(n_rows, 1)
+
+    def culprits(self, groups: list[ScoredGroup]) -> list[int]:
+        """Indices of the groups whose loss raises on their own (after a step raised)."""
+        bad = []
+        for i, g in enumerate(groups):
+            try:
+                with torch.no_grad():
+                    compute_loss(self.s.fwd, build_batch([g], self.pad_id), self.step_settings)
+            except Exception:
+                bad.append(i)
+        return bad
 
     def weights(self) -> dict[str, torch.Tensor] | torch.nn.Module:
         """What to publish: the model (one process; LoRA) or the full state gathered from
@@ -286,8 +297,8 @@ class Trainer:
             except Exception as e:
                 if self.ranks.distributed:
                     raise  # the job goes down; the restart re-reads (torchrun semantics)
-                await self.reader.step_failed(bus, buf, e)
-                buf = []
+                buf = await self.reader.step_failed(
+                    bus, buf, e, await asyncio.to_thread(self.culprits, groups))
                 continue
             if metrics["skipped"]:
                 await self.reader.skip_step(bus, buf, metrics)

@@ -9,7 +9,9 @@ intent line in the ledger first (`pipeline.ledger`):
 - a ``group_id`` already trained (or twice in one buffer) → acked, not retired again;
 - older than ``max_staleness`` → retired ``stale``;
 - trained → retired ``trained`` after the optimizer step and the announcement;
-- in a step whose loss or gradient norm was not finite → ``dlq`` with that reason.
+- in a step whose loss or gradient norm was not finite → ``dlq`` with that reason;
+- in a step that raised: a group that raises on its own → ``dlq`` with the error; if none
+  does, all are re-read (and reach ``dlq`` past ``max_deliveries`` if it keeps failing).
 """
 
 from __future__ import annotations
@@ -135,13 +137,27 @@ class Reader:
         for e, sg in buf:
             await self.dead_letter(bus, e, sg.group.group_id, reason)
 
-    async def step_failed(self, bus: Bus, buf: list[Buffered], err: Exception) -> None:
-        """A step raised: log it and re-read the groups from the pending list (their
-        delivery counts rise; `accept` dead-letters them past ``max_deliveries``)."""
+    async def step_failed(self, bus: Bus, buf: list[Buffered], err: Exception,
+                          culprits: list[int]) -> list[Buffered]:
+        """A step raised. Groups that raise on their own (``culprits``) go to dlq with the
+        error at once and the others stay buffered for the next step. If none does (the
+        batch as a whole fails), every group is re-read from the pending list: their
+        delivery counts rise and `accept` dead-letters them past ``max_deliveries``.
+        Returns what stays buffered."""
         t = self.t
         t.counts["failed_steps"] += 1
+        gids = [sg.group.group_id for _, sg in buf]
+        if culprits:
+            log.error("step %d raised %r; groups %s raise on their own: dead-lettering them",
+                      t.state.step + 1, err, [gids[i] for i in culprits])
+            for i in culprits:
+                e, sg = buf[i]
+                await self.dead_letter(bus, e, sg.group.group_id,
+                                       f"trainer: its step raised {err!r}"[:400])
+            return [b for i, b in enumerate(buf) if i not in culprits]
         log.error("step %d raised on groups %s: %r; re-reading them (dead-lettered after "
-                  "%d deliveries)", t.state.step + 1, [sg.group.group_id for _, sg in buf][:8],
-                  err, t.cfg.bus.max_deliveries, exc_info=err)
+                  "%d deliveries)", t.state.step + 1, gids[:8], err,
+                  t.cfg.bus.max_deliveries, exc_info=err)
         bus.replay_pending(bus.keys.scored, TRAINERS_GROUP, t.consumer)
         await asyncio.sleep(0.5)  # no hot loop on a persistent failure
+        return []

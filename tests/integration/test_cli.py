@@ -139,3 +139,24 @@ def test_bad_start_exits_2_naming_the_problem_without_a_traceback(
     assert "Traceback" not in p.stderr, p.stderr[-2000:]
     for needle in needles:
         assert needle.format(tmp=tmp_path) in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize(("sets", "key"), [
+    (["trainer.device=cuda"], "trainer.device"),
+    (["trainer.device=cuda:3"], "trainer.device"),
+    (["trainer.micro_batch_tokens=8", "generation.max_new_tokens=8"],
+     "trainer.micro_batch_tokens"),
+    (["model.dtype=float16", "trainer.fp32_master=false"], "trainer.fp32_master"),
+    (["trainer.device=gpu"], "trainer.device"),
+])
+def test_trainer_settings_this_machine_cannot_run_fail_at_start(
+        tmp_path: Path, tiny_model_dir: Path, sets: list[str], key: str) -> None:
+    """No CUDA here (CI is CPU-only): asking for it fails before any model is loaded."""
+    args = ["train", str(ROOT / "examples" / "copy.toml"), "--set", f"model.path={tiny_model_dir}",
+            "--set", f"run.output_dir={tmp_path}"]
+    for s in sets:
+        args += ["--set", s]
+    p = sluice(*args)
+    assert p.returncode == 2, p.stderr
+    assert f" {key}: " in p.stderr.replace("\n", " "), p.stderr  # the key, named
+    assert "Traceback" not in p.stderr
