@@ -105,6 +105,10 @@ class ModelConfig(_Section):
     """Compute dtype of every role's copy of the model. The trainer keeps its parameters
     and optimizer state in float32 and computes in this dtype under autocast unless
     ``trainer.fp32_master`` is false (then parameters and AdamW state are this dtype)."""
+    attn_implementation: str = Field("sdpa", pattern=r"^[\w./-]{1,128}$")
+    """transformers' attention: `sdpa` (CPU and GPU; the packed layouts' masks),
+    `eager`, `flash_attention_2`, or a `kernels` hub repo such as
+    ``kernels-community/flash-attn2`` (CUDA; varlen packing, no prefix sharing)."""
     lora: LoraConfig | None = None
     """Set (``[model.lora]``) to train a peft LoRA adapter on the frozen base instead of all
     weights; the `lora` weight store then publishes only the adapter per version."""

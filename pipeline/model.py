@@ -155,13 +155,18 @@ def init_tiny_model(
 
 
 def load_model(
-    path: str | Path, *, dtype: str = "float32", device: str | torch.device = "cpu"
+    path: str | Path, *, dtype: str = "float32", device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
-    """Load (model in eval mode, tokenizer) from a local directory; never touches the network."""
+    """Load (model in eval mode, tokenizer) from a local directory; never touches the network.
+
+    ``attn_implementation`` is transformers' (``sdpa``, ``eager``, ``flash_attention_2``,
+    or a `kernels` hub repo such as ``kernels-community/flash-attn2`` on CUDA)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=DTYPES[dtype], local_files_only=True
+        str(path), dtype=DTYPES[dtype], local_files_only=True,
+        attn_implementation=attn_implementation,
     )
     model.to(device)
     model.eval()
@@ -219,7 +224,8 @@ def load_policy(cfg: Config, *, device: str | torch.device = "cpu", dtype: str |
     """(policy in eval mode, tokenizer): the base model of ``cfg.model``, wrapped with a
     LoRA adapter (seeded by ``run.seed``) when ``cfg.model.lora`` is set. ``dtype``
     overrides ``model.dtype`` (the trainer's float32 master weights)."""
-    model, tok = load_model(cfg.model.path, dtype=dtype or cfg.model.dtype, device=device)
+    model, tok = load_model(cfg.model.path, dtype=dtype or cfg.model.dtype, device=device,
+                            attn_implementation=cfg.model.attn_implementation)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg.model.lora, seed=cfg.run.seed)
     return model, tok
