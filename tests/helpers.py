@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +71,41 @@ def spawn_role(role: str, config: Path, *overrides: str, name: str | None = None
         return subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
-def wait_for(pred: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
+def wait_for(pred: Any, timeout_s: float, what: str | Callable[[], str],
+             interval_s: float = 0.1) -> Any:
+    """Poll ``pred()`` until it is truthy (returned) or ``timeout_s`` passes (an
+    AssertionError naming ``what``). Tests wait for the condition they assert rather than
+    for a time that happens to be long enough on one machine. ``what`` may be a callable:
+    it is called at the timeout, so the message shows the state (counters, logs) then,
+    not when the wait began."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         v = pred()
         if v:
             return v
+        if time.monotonic() >= deadline:
+            break
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s} s waiting for "
+                         f"{what() if callable(what) else what}")
+
+
+async def wait_for_async(pred: Callable[[], Awaitable[Any]], timeout_s: float,
+                         what: str | Callable[[], str], interval_s: float = 0.05) -> Any:
+    """`wait_for` inside an event loop (the role under test runs in the same loop):
+    awaits ``pred()`` until truthy, sleeping with `asyncio.sleep` in between."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = await pred()
+        if v:
+            return v
+        if time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for "
+                         f"{what() if callable(what) else what}")
 
 
 def check_pause_keep_swap(prompts: list[list[int]], groups: list[list[Any]], config: Any,

@@ -27,6 +27,8 @@ from tests.helpers import run_header, spawn_role, wait_for
 
 NUM_GENERATIONS = 4
 GROUPS_PER_STEP = 4
+# worker id prefix of each `sluice` subcommand: `workers[<prefix>/<name>]` is its heartbeat
+ROLE_PREFIX = {"train": "trainer", "generate": "generator", "score": "scorer"}
 
 BUS = {"block_ms": 200, "claim_idle_ms": 1500, "heartbeat_s": 0.5, "reconnect_max_s": 1.0}
 CONFIG = """
@@ -147,7 +149,29 @@ class Pipeline:
 
     def wait_trained(self, at_least: int, timeout_s: float = 120) -> None:
         wait_for(lambda: self.trained() >= at_least, timeout_s,
-                 f"{at_least} trained groups (have {self.trained()})\n{self.logs()}", 0.2)
+                 lambda: f"{at_least} trained groups (have {self.trained()})\n{self.logs()}",
+                 0.2)
+
+    def pending_ids(self, stream: str, group: str, consumer: str | None = None) -> set[bytes]:
+        """Ids of the entries pending in ``group`` (on ``consumer`` only, if given)."""
+        by = {"consumername": consumer} if consumer else {}
+        return {e["message_id"] for e in self.r.xpending_range(
+            stream, group, min="-", max="+", count=100_000, **by)}
+
+    def wait_up(self, names: dict[str, float], timeout_s: float = 120) -> None:
+        """Wait until each role ``name`` started at ``names[name]`` (``time.time()``) has
+        written a heartbeat of that incarnation: it is past its imports and handles
+        SIGTERM (a role stopped while still importing dies by the signal, not cleanly)."""
+        wids = {n: f"{ROLE_PREFIX[self.roles[n]]}/{n}" for n in names}
+
+        def started(n: str) -> float:
+            raw = self.r.hget(self.keys.workers, wids[n])
+            return float(json.loads(raw).get("started", 0)) if raw else 0.0
+
+        wait_for(lambda: all(started(n) >= t for n, t in names.items()), timeout_s,
+                 lambda: (f"{sorted(n for n, t in names.items() if started(n) < t)} to "
+                          f"start (a heartbeat of the restarted process)\n{self.logs()}"),
+                 0.2)
 
     def audit(self, **kw: Any) -> AuditReport:
         async def view() -> Any:

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.fault.harness import Pipeline
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.fault
 
@@ -24,6 +25,7 @@ ROLES = {"trainer-0": "train", "g0": "generate", "g1": "generate", "s0": "score"
 # a window three times the default: generators are busy (holding leases) most of the
 # time instead of waiting at a closed gate, and more groups go stale
 WIDE = "trainer.admission_window=24"
+LEASE_MS = 3000  # generation.lease_s of the harness config
 
 
 def test_random_kills_of_every_role_lose_and_duplicate_nothing(tmp_path, tiny_model_dir
@@ -32,7 +34,9 @@ def test_random_kills_of_every_role_lose_and_duplicate_nothing(tmp_path, tiny_mo
     faults = int(os.environ.get("SLUICE_CHAOS_FAULTS", "80" if full else "8"))
     rng = random.Random(int(os.environ.get("SLUICE_CHAOS_SEED", "0")))
     with Pipeline(tmp_path, tiny_model_dir) as p:
+        started: dict[str, float] = {}
         for name, role in ROLES.items():
+            started[name] = time.time()
             p.start(role, name, WIDE)
         p.wait_trained(8)
         killed: dict[str, int] = dict.fromkeys(ROLES, 0)
@@ -41,8 +45,25 @@ def test_random_kills_of_every_role_lose_and_duplicate_nothing(tmp_path, tiny_mo
             name = rng.choice(list(ROLES))
             p.kill9(name)
             killed[name] += 1
+            started[name] = time.time()
             p.start(ROLES[name], name, WIDE)
-        time.sleep(4)  # past the last killed generator's leases (lease_s = 3)
+        # Wait for what the pipeline's stop relies on, not for a fixed time: every role
+        # restarted after its last kill is up (one stopped while still importing dies by
+        # SIGTERM), and every lease a killed generator held has expired and moved to a live
+        # generator. Once every role is back, a lease whose deadline is later than now +
+        # lease_s was granted or renewed since by a live process; a killed incarnation's
+        # lease, left in Redis, would strand its group when the pipeline stops.
+        p.wait_up(started)
+        sec, usec = p.r.time()
+        after_kills_ms = sec * 1000 + usec // 1000
+
+        def dead_leases() -> dict[int, int]:
+            return {int(c): d for c, v in p.r.hgetall(p.keys.leases).items()
+                    if (d := int(v.rsplit(b"|", 1)[1])) <= after_kills_ms + LEASE_MS}
+
+        wait_for(lambda: not dead_leases(), 60,
+                 lambda: f"the killed generators' leases to be taken over (cursor: deadline "
+                         f"ms {dead_leases()}, all killed by {after_kills_ms})\n{p.logs()}", 0.2)
         trained = p.trained()
         p.wait_trained(trained + 16, timeout_s=180)
         p.stop_all()

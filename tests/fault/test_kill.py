@@ -29,15 +29,40 @@ def test_scorer_killed_between_read_and_ack_three_times(tmp_path, tiny_model_dir
         p.start("generate", "g0")
         p.start("score", "s0")
         p.wait_trained(8)
+        reclaimed_before = p.worker("scorer/s0").get("reclaimed", 0)
+        doomed: list[str] = []
+        orphans: set[bytes] = set()  # entries left pending on a killed scorer
         for i in range(3):  # a scorer whose reward hangs: it reads, never acks; kill it
             name = f"doomed{i}"
             p.start("score", name, "scoring.rewards=[{fn='tests.helpers:hang_reward'}]")
             wait_for(lambda n=name: pending_on(p, p.keys.rollouts, SCORERS_GROUP, n) > 0, 60,
-                     f"{name} to hold a group\n{p.logs()}")
+                     lambda n=name: f"{n} to hold a group\n{p.logs()}")
             p.kill9(name)
+            doomed.append(name)
+            orphans |= p.pending_ids(p.keys.rollouts, SCORERS_GROUP, name)
+        assert orphans, "each killed scorer held a group"
         before = p.trained()
+
+        # The survivor reclaims what the killed scorers held only once it has been idle
+        # for claim_idle_ms, however fast the rest of the pipeline trains: wait for that
+        # (nothing left pending on a killed scorer, every orphan handed on and acked, and
+        # s0's heartbeat counting the reclaims), not for a number of trained groups.
+        def still_held() -> dict[str, int]:
+            return {n: c for n in doomed
+                    if (c := pending_on(p, p.keys.rollouts, SCORERS_GROUP, n))}
+
+        def reclaimed() -> int:
+            return int(p.worker("scorer/s0").get("reclaimed", 0))
+
+        wait_for(lambda: not still_held()
+                 and not orphans & p.pending_ids(p.keys.rollouts, SCORERS_GROUP)
+                 and reclaimed() > reclaimed_before, 120,
+                 lambda: (f"the survivor s0 to reclaim and hand on the killed scorers' groups: "
+                          f"pending on killed scorers {still_held()}, orphans still pending "
+                          f"{sorted(orphans & p.pending_ids(p.keys.rollouts, SCORERS_GROUP))}"
+                          f", s0 reclaimed {reclaimed()} (was {reclaimed_before})\n"
+                          f"{p.logs()}"))
         p.wait_trained(before + 16)
-        assert p.worker("scorer/s0")["reclaimed"] > 0  # the survivor took the orphans over
         p.stop_all()
         report = p.assert_clean(min_trained=before + 16)
         assert report.retired["dead"] == 0
@@ -53,7 +78,7 @@ def test_generator_killed_mid_group_is_taken_over(tmp_path, tiny_model_dir) -> N
         def holds_lease() -> bool:
             return any(v.startswith(b"generator/doomed|") for v in p.r.hvals(p.keys.leases))
 
-        wait_for(holds_lease, 120, f"the doomed generator to admit a group\n{p.logs()}")
+        wait_for(holds_lease, 120, lambda: f"the doomed generator to admit a group\n{p.logs()}")
         p.kill9("doomed")
         orphans = {int(c) for c, v in p.r.hgetall(p.keys.leases).items()
                    if v.startswith(b"generator/doomed|")}
@@ -61,9 +86,13 @@ def test_generator_killed_mid_group_is_taken_over(tmp_path, tiny_model_dir) -> N
         p.start("generate", "g1")  # the replacement takes the expired leases over
         wait_for(lambda: not any(v.startswith(b"generator/doomed|")
                                  for v in p.r.hvals(p.keys.leases)), 60,
-                 f"the orphaned leases to be taken over\n{p.logs()}")
+                 lambda: f"the orphaned leases to be taken over\n{p.logs()}")
+        # the heartbeat is refreshed every heartbeat_s: it lags the leases in Redis
+        wait_for(lambda: p.worker("generator/g1").get("taken_over", 0) >= len(orphans), 30,
+                 lambda: (f"g1's heartbeat to count {len(orphans)} groups taken over "
+                          f"(it says {p.worker('generator/g1').get('taken_over')})\n"
+                          f"{p.logs()}"))
         p.wait_trained(p.trained() + 8)
-        assert p.worker("generator/g1")["taken_over"] >= len(orphans)
         p.stop_all()
         report = p.assert_clean(min_trained=8)
         assert report.taken_over >= len(orphans)
@@ -80,7 +109,7 @@ def test_trainer_killed_mid_step_resumes_and_never_goes_back(tmp_path, tiny_mode
         def holding_a_step() -> bool:  # read a whole step's groups, not yet acked them
             return pending_on(p, p.keys.scored, TRAINERS_GROUP, "trainer-0") >= GROUPS_PER_STEP
 
-        wait_for(holding_a_step, 60, f"the trainer to hold a step\n{p.logs()}", 0.005)
+        wait_for(holding_a_step, 60, lambda: f"the trainer to hold a step\n{p.logs()}", 0.005)
         p.kill9("trainer-0")
         held = [e["message_id"] for e in p.r.xpending_range(
             p.keys.scored, TRAINERS_GROUP, min="-", max="+", count=100, consumername="trainer-0")]

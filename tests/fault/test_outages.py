@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,7 @@ def check_reconnected(p: Pipeline) -> None:
     for prefix in ("trainer/", "generator/", "scorer/s0", "scorer/s1"):
         wait_for(lambda pre=prefix: (w := p.worker(pre)) and w["healthy"] and
                  w.get("reconnects", 0) >= 1 and time.time() - w["t"] < 5, 30,
-                 f"{prefix} to report itself reconnected\n{p.logs()}")
+                 lambda pre=prefix: f"{pre} to report itself reconnected\n{p.logs()}")
 
 
 def test_redis_restarted_then_down_ten_seconds(tmp_path, tiny_model_dir) -> None:
@@ -77,7 +78,7 @@ def test_redis_restarted_then_down_ten_seconds(tmp_path, tiny_model_dir) -> None
         assert max(spent.values()) < 3.0, spent
         wait_for(lambda: all(p.worker(pre).get("reconnects", 0) >= 2 for pre in (
             "trainer/", "generator/", "scorer/s0", "scorer/s1")), 30,
-            f"every role to reconnect twice\n{p.logs()}")
+            lambda: f"every role to reconnect twice\n{p.logs()}")
         p.wait_trained(p.trained() + 16)
         p.stop_all()
         p.assert_clean(min_trained=48)
@@ -90,10 +91,9 @@ def test_trainer_stalled_generators_stop_at_the_window_memory_flat(tmp_path,
         start_all(p)
         p.wait_trained(16)
         p.procs["trainer-0"].send_signal(19)  # SIGSTOP: alive, holding its work, silent
+        stalled_at = time.monotonic()
         p.faults += 1
         try:
-            time.sleep(10)  # the gate closes within a batch or two
-
             def sample() -> dict[str, int]:
                 st = p.state()
                 return {"cursor": st["cursor"], "in_flight": st["cursor"] - st["retired"],
@@ -101,9 +101,30 @@ def test_trainer_stalled_generators_stop_at_the_window_memory_flat(tmp_path,
                         "scored": p.r.xlen(p.keys.scored),
                         "memory": int(p.r.info("memory")["used_memory"])}
 
+            def settled() -> dict[str, Any]:
+                """Where the stalled pipeline must come to rest, whatever the machine's
+                speed: the window full, no group being generated, every rollout scored and
+                handed on (or filtered), and the generator reporting its gate closed."""
+                st = p.state()
+                group = next(g for g in p.r.xinfo_groups(p.keys.rollouts)
+                             if g["name"].decode() == SCORERS_GROUP)
+                return {"in_flight": st["cursor"] - st["retired"],
+                        "generating": st.get("generating", 0),
+                        "leases": p.r.hlen(p.keys.leases), "pending": group["pending"],
+                        "undelivered": group["last-delivered-id"] !=
+                        p.r.xinfo_stream(p.keys.rollouts)["last-generated-id"],
+                        "gate_closed": p.worker("generator/g0").get("gate_closed")}
+
+            at_rest = {"in_flight": window, "generating": 0, "leases": 0, "pending": 0,
+                       "undelivered": False, "gate_closed": True}
+            wait_for(lambda: settled() == at_rest, 60,
+                     lambda: f"the stalled pipeline to come to rest {at_rest} (it is at "
+                             f"{settled()})\n{p.logs()}", 0.2)
             first = sample()
-            samples = []
-            for _ in range((STALL_S - 10) // 5):
+            samples: list[dict[str, int]] = []
+            # flat for the rest of the stall, and for at least 5 s x (STALL_S - 10) // 5
+            while (len(samples) < (STALL_S - 10) // 5
+                   or time.monotonic() - stalled_at < STALL_S):
                 time.sleep(5)
                 samples.append(sample())
                 assert samples[-1]["in_flight"] <= window, samples[-1]

@@ -32,7 +32,7 @@ from pipeline.model import VOCAB_SIZE
 from pipeline.monitor import snapshot
 from pipeline.schema import ScoredGroup
 from tests.conftest import arun
-from tests.helpers import make_group
+from tests.helpers import make_group, wait_for_async
 from trainer.loop import Trainer
 from workers.rewards import copy_reward
 from workers.scorer import Scorer
@@ -299,11 +299,11 @@ def test_group_whose_reward_keeps_failing_is_dead_lettered_after_max_deliveries(
             scorer = Scorer(cfg, "s1")
             stop = asyncio.Event()
             task = asyncio.create_task(scorer.run(stop))
-            for _ in range(200):
-                await asyncio.sleep(0.05)
-                if await bus.r.xlen(k.dlq):
-                    break
-            stop.set()
+            try:
+                await wait_for_async(lambda: bus.r.xlen(k.dlq), 60,
+                                     lambda: f"the failing group in the dlq: {scorer.counts}")
+            finally:
+                stop.set()
             await asyncio.wait_for(task, 10)
             (d,) = await _dlq(bus)
             assert d[b"src_id"] == bad_id.encode()

@@ -111,9 +111,13 @@ urls = ["http://127.0.0.1:{free_port()}"]
             raw = r.hget(keys.workers, "generator/g0")
             return json.loads(raw) if raw else {}
 
-        wait_for(lambda: beat().get("healthy") is False, 60, "an unhealthy heartbeat")
-        wait_for(lambda: int(r.hget(keys.state, "generating") or 0) == 2, 10,
-                 "two admitted groups waiting for a server")
+        def log() -> str:
+            return (tmp_path / "gen.log").read_text()[-2000:]
+
+        wait_for(lambda: beat().get("healthy") is False, 60,
+                 lambda: f"an unhealthy heartbeat\n{log()}")
+        wait_for(lambda: int(r.hget(keys.state, "generating") or 0) == 2, 60,
+                 lambda: f"two admitted groups waiting for a server\n{log()}")
         assert beat()["engine"]["servers_up"] == 0
         gen.send_signal(signal.SIGTERM)
         assert gen.wait(40) == 0, (tmp_path / "gen.log").read_text()[-2000:]

@@ -15,8 +15,11 @@ from pipeline.bus import Bus
 from pipeline.embedded import EmbeddedRedis
 from pipeline.keys import SCORERS_GROUP
 from tests.conftest import arun
+from tests.helpers import wait_for_async
 
 pytestmark = pytest.mark.integration
+
+LEASE_MS = 1000
 
 
 def test_only_the_lease_holder_appends_and_only_once(redis_server: EmbeddedRedis,
@@ -41,13 +44,15 @@ def test_expired_lease_is_taken_over_and_the_old_holder_is_refused(
         redis_server: EmbeddedRedis, run_name: str) -> None:
     async def go() -> None:
         bus = Bus.connect(redis_server.url, run_name)
-        c0 = await bus.admit(4, "gen/dead", lease_ms=100)
-        c1 = await bus.admit(4, "gen/alive", lease_ms=100)
+        # leases long enough that the calls below all fall inside them on a slow machine
+        c0 = await bus.admit(4, "gen/dead", lease_ms=LEASE_MS)
+        c1 = await bus.admit(4, "gen/alive", lease_ms=LEASE_MS)
         assert await bus.takeover("gen/new", 60_000, max_count=10) == []  # none expired yet
-        await asyncio.sleep(0.05)
         assert await bus.renew("gen/alive", [c1], 60_000) == []  # alive: keeps its lease
-        await asyncio.sleep(0.1)
-        assert await bus.takeover("gen/new", 60_000, max_count=10) == [c0]
+        # the first takeover after the dead holder's deadline gets its lease, only that one
+        got = await wait_for_async(lambda: bus.takeover("gen/new", 60_000, max_count=10),
+                                   30, "gen/dead's lease to expire and be taken over")
+        assert got == [c0]
         assert await bus.renew("gen/dead", [c0], 60_000) == [c0]  # it lost it
         assert await bus.emit(b"late", cursor=c0, owner="gen/dead") is None
         assert await bus.abandon("0:0", cursor=c0, owner="gen/dead", reason="x",

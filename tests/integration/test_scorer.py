@@ -17,7 +17,7 @@ from pipeline.keys import SCORERS_GROUP
 from pipeline.monitor import snapshot
 from pipeline.schema import ScoredGroup
 from tests.conftest import arun
-from tests.helpers import make_group
+from tests.helpers import make_group, wait_for_async
 from workers.scorer import Scorer
 
 pytestmark = pytest.mark.integration
@@ -57,12 +57,16 @@ def test_scorer_scores_filters_and_dead_letters_without_stopping(
         scorer = Scorer(cfg, "s1")
         stop = asyncio.Event()
         task = asyncio.create_task(scorer.run(stop))
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if (await bus.r.xinfo_groups(k.rollouts))[0]["lag"] == 0 and \
-                    (await bus.r.xpending(k.rollouts, SCORERS_GROUP))["pending"] == 0:
-                break
-        stop.set()
+
+        async def all_read_and_acked() -> bool:
+            return (await bus.r.xinfo_groups(k.rollouts))[0]["lag"] == 0 and \
+                (await bus.r.xpending(k.rollouts, SCORERS_GROUP))["pending"] == 0
+
+        try:
+            await wait_for_async(all_read_and_acked, 60,
+                                 lambda: f"the scorer to settle every entry: {scorer.counts}")
+        finally:
+            stop.set()
         await asyncio.wait_for(task, 10)
         snap = await snapshot(bus)
         snap["scored_entries"] = await bus.r.xrange(k.scored)

@@ -16,6 +16,7 @@ import torch
 from pipeline.config import LoraConfig
 from pipeline.model import apply_lora, load_model
 from pipeline.transports import LoraTransport
+from tests.helpers import wait_for_async
 from tests.vllm.conftest import VLLMServer
 from workers.engines import SamplingParams
 from workers.engines.vllm import VLLMEngine
@@ -71,7 +72,13 @@ def test_lora_versions_switch_outputs_and_old_adapters_are_unloaded(
                 res[v] = await e.generate(PROMPTS, 1, params)
                 res[f"served{v}"] = await served(vllm_server.url)
             assert not await e.load_weights(adapters[0][1], 2, "lora")  # not newer
-            await asyncio.sleep(0.5)  # the unload of v1 runs in the background
+
+            async def unloads_done() -> bool:
+                return not e.servers[0].unloading
+
+            # the unload of v1 runs in the background: wait until none is in flight
+            await wait_for_async(unloads_done, 60,
+                                 lambda: f"the unloads {e.servers[0].unloading} to end")
             res["served_end"] = await served(vllm_server.url)
             res["unloaded"] = list(e.servers[0].unloaded)
         finally:

@@ -97,7 +97,10 @@ admission_window = {WINDOW}
 
     try:
         wait_for(lambda: r.xlen(keys.rollouts) >= 2, 120, "the first groups")
-        assert weight_label(vllm_server.url) == "1"
+        # the label is read over HTTP from a busy server (None when it does not answer
+        # within 2 s): ask until it answers; what it must answer is "1"
+        label = wait_for(lambda: weight_label(vllm_server.url), 60, "the server's label")
+        assert label == "1", label
         assert vllm_server.local.proc is not None
         old_group = vllm_server.local.proc.pid
         vllm_server.local.kill()

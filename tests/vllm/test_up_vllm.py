@@ -22,8 +22,9 @@ def test_sluice_up_with_vllm_learns_copy_and_stops_its_server(tmp_path: Path) ->
     if py is None:
         pytest.skip("no vLLM server environment: run `bash deploy/setup.sh --vllm`")
     out = tmp_path / "run"
+    # ~130 s on 2 CPUs: room for a machine 3x slower, inside the 600 s test timeout
     args = up_args(ROOT / "examples" / "copy_vllm.toml", out, tmp_path / "model", "e2e-vllm",
-                   "trainer.save_steps=40", "run.max_time_s=400",
+                   "trainer.save_steps=40", "run.max_time_s=500",
                    f"generation.vllm.python={py}")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
