@@ -12,9 +12,10 @@ Each arm is `trainer.policy.optimize` (one AdamW step: forward, backward, clip, 
 with ``StepSettings.layout`` = ``padded`` (one row per sample, right-padded),
 ``packed`` (samples concatenated into rows, attention kept per sample by position ids)
 or ``shared`` (packed with each group's prompt written once, a 4D tree mask). Each arm
-has its own copy of the same initial weights. Per torch thread count in ``--threads``:
-one warm-up step per arm, then ``--repeats`` timed steps per arm on the same
-``--repeats`` batches, the arms' order rotated per batch. A step's tokens/s = its real
+has its own copy of the same initial weights. One warm-up step per arm and torch
+thread count (``--threads``), then for each of ``--repeats`` batches one timed step per
+thread count and arm, the order of both rotated per batch (so a busy spell on the
+machine falls on every arm and thread count alike). A step's tokens/s = its real
 tokens (prompt + completion of every sample: what every layout must forward) / wall
 seconds of ``optimize``; an arm's is the median over its timed steps (min-max shown),
 so one step slowed by another process on the machine does not decide the result.
@@ -23,13 +24,13 @@ sensitive to other processes (at 1 thread close to the work itself).
 
 Printed: per arm, forwarded tokens (`trainer.packing.layout_cost`, summed over the
 step's micro-batches), the query-key pairs its attention scores (rows x columns^2 of
-each layout: masks are dense, so this is what SDPA computes), and tokens/s per thread
-count; each arm at its fastest thread count;
-the packing ratio = padded forwarded tokens / real tokens; the gain = packed tokens/s /
-padded tokens/s (each at its own best thread count); and gain / packing ratio against
-the issue's target of 0.8. ``shared`` is compared with the same ratio (it forwards fewer
-tokens than there are real ones: each prompt once per group). The machine may be shared
-and noisy: the ratios, measured in one run, are the result.
+each layout: masks are dense, so this is what SDPA computes), tokens/s per thread count
+and the fastest thread count; the packing ratio = padded forwarded tokens / real tokens;
+the gain = packed tokens/s / padded tokens/s (each at its own fastest thread count); and
+gain / packing ratio against the issue's target of 0.8. ``shared`` is compared with the
+same ratio (it forwards fewer tokens than there are real ones: each prompt once per
+group). The machine may be shared and noisy: the ratios, measured in one run, are the
+result.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -53,6 +55,7 @@ from trainer.packing import LayoutKind, layout_cost, make_layout
 from trainer.policy import StepSettings, micro_batches, optimize
 
 ARMS: tuple[LayoutKind, ...] = ("padded", "packed", "shared")
+T = TypeVar("T")
 TARGET = 0.8
 
 
@@ -91,26 +94,31 @@ def bench(a: argparse.Namespace, base: torch.nn.Module) -> dict[int, dict[str, S
     real tokens per wall second (``tps``, ``lo``, ``hi``) and per CPU second of this
     process (``tpc``)."""
     warm, timed = make_batches(a, 1, 1000)[0], make_batches(a, a.repeats, 0)
-    out: dict[int, dict[str, Stats]] = {}
+    models = {arm: copy.deepcopy(base) for arm in ARMS}
+    opts = {arm: torch.optim.AdamW(m.parameters(), lr=1e-5) for arm, m in models.items()}
+    wall = {(n, arm): list[float]() for n in a.threads for arm in ARMS}
+    cpu = {(n, arm): list[float]() for n in a.threads for arm in ARMS}
     for n in a.threads:
         set_threads(n)
-        models = {arm: copy.deepcopy(base) for arm in ARMS}
-        opts = {arm: torch.optim.AdamW(m.parameters(), lr=1e-5) for arm, m in models.items()}
-        wall: dict[str, list[float]] = {arm: [] for arm in ARMS}
-        cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
         for arm in ARMS:
             optimize(models[arm], opts[arm], warm, settings(a, arm))
-        for i, batch in enumerate(timed):
-            tokens = real_tokens(batch)
-            for arm in ARMS[i % len(ARMS):] + ARMS[:i % len(ARMS)]:
+    for i, batch in enumerate(timed):
+        tokens = real_tokens(batch)
+        for n in rotated(a.threads, i):
+            set_threads(n)
+            for arm in rotated(list(ARMS), i):
                 t0, c0 = time.perf_counter(), time.process_time()
                 optimize(models[arm], opts[arm], batch, settings(a, arm))
-                wall[arm].append(tokens / (time.perf_counter() - t0))
-                cpu[arm].append(tokens / (time.process_time() - c0))
-        out[n] = {arm: {"tps": statistics.median(wall[arm]), "lo": min(wall[arm]),
-                        "hi": max(wall[arm]), "tpc": statistics.median(cpu[arm])}
-                  for arm in ARMS}
-    return out
+                wall[n, arm].append(tokens / (time.perf_counter() - t0))
+                cpu[n, arm].append(tokens / (time.process_time() - c0))
+    return {n: {arm: {"tps": statistics.median(wall[n, arm]), "lo": min(wall[n, arm]),
+                      "hi": max(wall[n, arm]), "tpc": statistics.median(cpu[n, arm])}
+                for arm in ARMS} for n in a.threads}
+
+
+def rotated(xs: list[T], i: int) -> list[T]:
+    k = i % len(xs)
+    return xs[k:] + xs[:k]
 
 
 def report(a: argparse.Namespace, st: dict[int, dict[str, Stats]]) -> None:
@@ -139,6 +147,10 @@ def report(a: argparse.Namespace, st: dict[int, dict[str, Stats]]) -> None:
         verdict = "meets" if gain >= TARGET * ratio else "below"
         print(f"{arm}/padded tokens/s = {gain:.2f}x (each at its best thread count); "
               f"gain / packing ratio = {gain / ratio:.2f} ({verdict} the {TARGET} target)")
+    if len(a.threads) > 1:
+        lo, hi = min(a.threads), max(a.threads)
+        print(f"{hi} threads / {lo} thread tokens/s: " + ", ".join(
+            f"{arm} {st[hi][arm]['tps'] / st[lo][arm]['tps']:.2f}x" for arm in ARMS))
     for n in a.threads:
         print(f"{n} thread(s): " + ", ".join(
             f"{arm}/padded {st[n][arm]['tps'] / st[n]['padded']['tps']:.2f}x" for arm in ARMS[1:])
