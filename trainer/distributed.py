@@ -69,7 +69,10 @@ class Ranks:
             backend = "nccl" if device.type == "cuda" else "gloo"
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            timeout = datetime.timedelta(seconds=timeout_s)
+            rank = int(os.environ["RANK"])
+            dist.init_process_group(backend, store=_attempt_store(rank, world, timeout),
+                                    rank=rank, world_size=world, timeout=timeout)
         return cls(rank=dist.get_rank(), world=dist.get_world_size())
 
     def close(self) -> None:
@@ -168,6 +171,19 @@ def full_state(module: nn.Module, ranks: Ranks) -> dict[str, torch.Tensor]:
     sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
                                                                cpu_offload=True))
     return {k: v.contiguous() for k, v in sd.items()}
+
+
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The job's key-value store (``MASTER_ADDR:MASTER_PORT``; torchrun's agent hosts it),
+    under a prefix per torchrun restart. The agent's store outlives a restart, and without
+    the prefix a restarted rank could read a dead rank's gloo address from the previous
+    attempt and fail with "Connection refused" (seen in the rank-kill fault test)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                          int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"sluice/attempt-{attempt}", store)
 
 
 def _all_max(n: int) -> int:

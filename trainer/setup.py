@@ -74,7 +74,12 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
     model.train()
     if tc.gradient_checkpointing:
         base = model.get_base_model() if is_peft(model) else model  # type: ignore[operator]
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            base.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            base.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
     temperature = tc.temperature or cfg.generation.temperature
     fwd = CompletionLogprobs(model, temperature, tc.logprob_chunk_tokens)
     ref = None

@@ -153,3 +153,21 @@ def test_non_finite_loss_skips_the_step(model_dir: Path, batch: Batch) -> None:
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert optimize(model, opt, batch, _settings())["skipped"] == 0.0
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_gradient_checkpointing_recomputes_without_changing_gradients(
+        model_dir: Path, batch: Batch, tmp_path: Path) -> None:
+    from pipeline.config import load_config
+    from trainer import setup
+
+    grads = {}
+    for on in (False, True):
+        cfg = load_config(None, [f"model.path={model_dir}", f"run.output_dir={tmp_path}",
+                                 f"trainer.gradient_checkpointing={str(on).lower()}",
+                                 "trainer.packing=true", "generation.temperature=0.9"])
+        s = setup.build(cfg)
+        assert s.model.is_activation_checkpointing == on
+        optimize(s.fwd, torch.optim.SGD(s.model.parameters(), lr=0.0), batch, s.settings)
+        grads[on] = {n: p.grad for n, p in s.model.named_parameters()}
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, atol=1e-6, rtol=1e-5, msg=name)
