@@ -16,7 +16,7 @@ autocast. Batches: ``--groups`` x ``--generations`` synthetic samples
 
 Arms, each `trainer.policy.optimize` with ``micro_batch_tokens`` and one layout:
 ``padded`` (packing off), ``packed`` (packing on, no prefix sharing), ``shared``
-(packing + prefix sharing: what the trainer picks with SDPA and default settings) and,
+(packing + ``trainer.prefix_sharing``, a tree mask over each group) and,
 only when the ``kernels`` package can load ``kernels-community/flash-attn`` from the
 local cache (offline), ``packed+fa`` (packed rows as varlen flash attention); otherwise
 it says why it is skipped. One model and optimizer serve all arms in turn (weights drift;

@@ -75,8 +75,13 @@ class Ranks:
                                     rank=rank, world_size=world, timeout=timeout)
         return cls(rank=dist.get_rank(), world=dist.get_world_size())
 
-    def close(self) -> None:
+    def close(self, together: bool = True) -> None:
+        """Leave the job; ``together`` (a clean stop, every rank calls it) waits for the
+        others first: a rank tearing gloo down while another still talks to it can abort
+        that one ("terminate called without an active exception")."""
         if self.distributed and dist.is_initialized():
+            if together:
+                dist.barrier()
             dist.destroy_process_group()
 
     def data_parallel(self) -> DataParallel | None:

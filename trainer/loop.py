@@ -242,7 +242,9 @@ class Trainer:
     async def run(self, stop: asyncio.Event) -> None:
         if not self.ranks.is_main:
             await asyncio.to_thread(self.follow)
+            self.ranks.close()
             return
+        clean = False
         log.info("trainer job of %d ranks on %s (layout %s, micro-batch budget %s)",
                  self.ranks.world, self.s.device, self.step_settings.layout,
                  self.tc.micro_batch_tokens or "off")
@@ -262,6 +264,7 @@ class Trainer:
             try:
                 reason = await self.steps(bus, stop, lock)
                 await asyncio.to_thread(self.stop_ranks)
+                clean = True
                 if reason == "max_steps":
                     await control.finish(bus, "max_steps")
             finally:
@@ -273,7 +276,7 @@ class Trainer:
             self.ledger.close()
             if self.nccl is not None:
                 await self.nccl.close()
-            self.ranks.close()
+            self.ranks.close(together=clean)
 
     async def steps(self, bus: Bus, stop: asyncio.Event, lock: TrainerLock) -> str:
         """Rank 0's loop; returns why it ended (max_steps | stop)."""
