@@ -81,7 +81,6 @@ class Trainer:
         self.tc = cfg.trainer
         self.consumer = f"trainer-{rank}"
         self.wid = worker_id("trainer", self.consumer)
-        self.lora = cfg.model.lora is not None
         self.s = setup.build(cfg)
         self.ranks = self.s.ranks
         self.model, self.tokenizer = self.s.model, self.s.tokenizer
