@@ -117,9 +117,9 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> Batch:
 
 
 def split_micro_batches(batch: Batch, budget_tokens: int,
-                        cost: Callable[[Batch], int]) -> list[Batch]:
-    """Split ``batch`` into micro-batches whose ``cost`` (tokens the forward will process)
-    stays within ``budget_tokens``; 0 = no split.
+                        cost: Callable[[list[int]], int]) -> list[Batch]:
+    """Split ``batch`` into micro-batches whose ``cost`` (tokens the forward will process
+    for those rows of ``batch``) stays within ``budget_tokens``; 0 = no split.
 
     Rows are taken in order, whole groups at a time (a group is split by rows only when it
     alone exceeds the budget); a single row over the budget forms its own micro-batch.
@@ -137,8 +137,8 @@ def split_micro_batches(batch: Batch, budget_tokens: int,
     out: list[Batch] = []
     current: list[int] = []
     for unit in units:
-        for piece in _fit(batch, unit, budget_tokens, cost):
-            if current and cost(batch.rows(current + piece)) > budget_tokens:
+        for piece in _fit(unit, budget_tokens, cost):
+            if current and cost(current + piece) > budget_tokens:
                 out.append(batch.rows(current))
                 current = []
             current += piece
@@ -147,14 +147,14 @@ def split_micro_batches(batch: Batch, budget_tokens: int,
     return out
 
 
-def _fit(batch: Batch, rows: list[int], budget_tokens: int,
-         cost: Callable[[Batch], int]) -> list[list[int]]:
+def _fit(rows: list[int], budget_tokens: int,
+         cost: Callable[[list[int]], int]) -> list[list[int]]:
     """``rows`` as one piece when it fits the budget, else split greedily by rows."""
-    if cost(batch.rows(rows)) <= budget_tokens:
+    if cost(rows) <= budget_tokens:
         return [rows]
     pieces: list[list[int]] = [[]]
     for r in rows:
-        if pieces[-1] and cost(batch.rows(pieces[-1] + [r])) > budget_tokens:
+        if pieces[-1] and cost(pieces[-1] + [r]) > budget_tokens:
             pieces.append([])
         pieces[-1].append(r)
     return pieces

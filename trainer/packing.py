@@ -47,20 +47,32 @@ class Layout:
         return int(self.input_ids.numel())
 
 
+RowShape = tuple[int, int, int]
+"""(tokens, prompt tokens, group) of one row: all a layout's cost depends on."""
+
+
+def row_shapes(batch: Batch) -> list[RowShape]:
+    return list(zip(batch.seq_lens.tolist(), batch.completion_start.tolist(),
+                    batch.groups.tolist(), strict=True))
+
+
 def layout_cost(batch: Batch, kind: LayoutKind) -> int:
     """Tokens a forward of ``batch`` in layout ``kind`` computes, without building it."""
-    lens = batch.seq_lens
+    return shapes_cost(row_shapes(batch), kind)
+
+
+def shapes_cost(shapes: list[RowShape], kind: LayoutKind) -> int:
+    """`layout_cost` of rows given by their shapes (cheap: plain integers)."""
     if kind == "padded":
-        return int(lens.max()) * batch.num_rows
-    units = _units(batch, kind == "shared")
-    sizes = [size for size, _ in units]
+        return max(n for n, _, _ in shapes) * len(shapes)
+    sizes = [size for size, _ in _units(shapes, kind == "shared")]
     return len(_first_fit(sizes, max(sizes))) * max(sizes)
 
 
 def make_layout(batch: Batch, kind: LayoutKind, pad_id: int) -> Layout:
     if kind == "padded":
         return _padded(batch)
-    units = _units(batch, kind == "shared")
+    units = _units(row_shapes(batch), kind == "shared")
     sizes = [size for size, _ in units]
     capacity = max(sizes)
     bins = _first_fit(sizes, capacity)
@@ -109,20 +121,18 @@ def _padded(batch: Batch) -> Layout:
     return Layout(batch.input_ids, None, batch.attention_mask, rows.contiguous(), cols)
 
 
-def _units(batch: Batch, share: bool) -> list[tuple[int, list[int]]]:
+def _units(shapes: list[RowShape], share: bool) -> list[tuple[int, list[int]]]:
     """(tokens, sample rows) per packing unit: one sample, or with ``share`` one group's
     samples behind a single copy of their (identical) prompt."""
-    lens = batch.seq_lens.tolist()
     if not share:
-        return [(lens[b], [b]) for b in range(batch.num_rows)]
-    starts = batch.completion_start.tolist()
+        return [(n, [b]) for b, (n, _, _) in enumerate(shapes)]
     by_group: dict[int, list[int]] = {}
-    for b, g in enumerate(batch.groups.tolist()):
+    for b, (_, _, g) in enumerate(shapes):
         by_group.setdefault(g, []).append(b)
     units = []
     for samples in by_group.values():
-        p = starts[samples[0]]
-        units.append((p + sum(lens[b] - p for b in samples), samples))
+        p = shapes[samples[0]][1]
+        units.append((p + sum(shapes[b][0] - p for b in samples), samples))
     return units
 
 

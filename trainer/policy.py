@@ -46,7 +46,7 @@ from trainer.loss import (
     grpo_loss,
     selective_log_softmax,
 )
-from trainer.packing import LayoutKind, layout_cost, make_layout
+from trainer.packing import LayoutKind, make_layout, row_shapes, shapes_cost
 
 
 def token_logps(model: torch.nn.Module, batch: Batch,
@@ -116,8 +116,9 @@ class DataParallel:
 
 
 def micro_batches(batch: Batch, st: StepSettings) -> list[Batch]:
+    shapes = row_shapes(batch)
     return split_micro_batches(batch, st.micro_batch_tokens,
-                               lambda b: layout_cost(b, st.layout))
+                               lambda rows: shapes_cost([shapes[i] for i in rows], st.layout))
 
 
 def step_norm(batch: Batch, dp: DataParallel | None = None) -> LossNorm:
