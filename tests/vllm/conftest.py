@@ -44,12 +44,18 @@ class VLLMServer:
         self.local.start().wait_ready(START_TIMEOUT_S)
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def vllm_python_or_skip() -> Path:
+    """The vLLM servers' interpreter, or skip the test that needs one."""
     py = vllm_python()
     if py is None:
         pytest.skip("no vLLM server environment: run `bash deploy/setup.sh --vllm` "
                     "(or set SLUICE_VLLM_PYTHON)")
+    return py
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    py = vllm_python_or_skip()
     root = tmp_path_factory.mktemp("vllm")
     model_dir = init_tiny_model(root / "model_a", seed=0)
     other = init_tiny_model(root / "model_b", seed=1)

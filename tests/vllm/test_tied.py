@@ -26,7 +26,7 @@ import torch
 
 from pipeline.model import init_tiny_model, load_model
 from pipeline.transports import INDEX, FileTransport
-from tests.vllm.conftest import START_TIMEOUT_S, vllm_python
+from tests.vllm.conftest import START_TIMEOUT_S, vllm_python_or_skip
 from workers.engines import SamplingParams
 from workers.engines.vllm import VLLMEngine
 from workers.engines.vllm_server import LocalServer, ServerSpec
@@ -43,10 +43,7 @@ class TiedServer:
 
 @pytest.fixture(scope="module")
 def tied_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TiedServer]:
-    py = vllm_python()
-    if py is None:
-        pytest.skip("no vLLM server environment: run `bash deploy/setup.sh --vllm` "
-                    "(or set SLUICE_VLLM_PYTHON)")
+    py = vllm_python_or_skip()
     root = tmp_path_factory.mktemp("vllm-tied")
     model_dir = init_tiny_model(root / "tied", seed=0, tie_word_embeddings=True)
     local = LocalServer(ServerSpec(python=str(py), model=str(model_dir), cpu_core=1), root)
