@@ -95,6 +95,7 @@ def main() -> None:
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--adam-beta2", type=float, default=0.99)
     p.add_argument("--no-kl-bias-correction", action="store_true",
                    help="use_bias_correction_kl=False (only matters with --beta > 0)")
     p.add_argument("--completions-per-step", type=int, default=64)
@@ -121,7 +122,7 @@ def main() -> None:
         output_dir=str(a.out / "trl"), per_device_train_batch_size=a.completions_per_step,
         num_generations=a.num_generations, max_completion_length=a.max_new_tokens,
         learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
-        optim="adamw_torch", beta=a.beta, use_bias_correction_kl=not a.no_kl_bias_correction,
+        optim="adamw_torch", adam_beta1=0.9, adam_beta2=a.adam_beta2, beta=a.beta, use_bias_correction_kl=not a.no_kl_bias_correction,
         loss_type="dapo", epsilon=0.2, scale_rewards="group",
         temperature=1.0, max_steps=10**6, save_strategy="no", logging_steps=10**6,
         report_to="none", bf16=False, use_cpu=True, seed=a.seed, disable_tqdm=True)

@@ -1,27 +1,37 @@
-"""sluice vs TRL's GRPOTrainer: learning per second and per sample on the ``copy`` task.
+"""sluice vs TRL's GRPOTrainer on the ``copy`` task: time and samples to a held-out target.
 
-    .venv/bin/python benchmarks/vs_trl.py [--budget-s 600] [--beta 0] [--runs trl,s1,s0,s4]
+    .venv/bin/python benchmarks/vs_trl.py --arms trl,s1 --seeds 0,1,2 [--budget-s 480]
+    .venv/bin/python benchmarks/vs_trl.py --arms s1,keep --arm keep=scoring.zero_variance=train
+    .venv/bin/python benchmarks/vs_trl.py --out runs/bench_vs_trl --report-only
 
-One after the other on this machine, from the same locally built tiny model, with the
-same prompts, reward, held-out set (256 prompts, greedy) and hyperparameters (64
-completions per step in groups of 8, lr 1e-4 constant, AdamW, max 8 new tokens,
-temperature 1, dapo, ε 0.2, ``--beta``):
+One run at a time on this machine, from the same locally built tiny model (one per seed),
+with the same prompts, reward, held-out set (256 prompts, greedy exact match) and
+hyper-parameters on both sides: 64 completions per step in groups of 8, lr 1e-4 constant,
+AdamW betas (0.9, ``--adam-beta2``), no weight decay, grad-norm clip 1, at most 8 new
+tokens, temperature 1, dapo, ε 0.2, ``--beta``.
 
-* ``trl``: TRL's GRPOTrainer, synchronous, torch threads = all cores
-  (``benchmarks/trl_copy.py``);
-* ``s1``/``s0``/``s4``: ``sluice up examples/copy.toml`` at ``max_staleness`` 1 (the
-  example's setting), 0 and 4, each role its own process on the same cores.
+Arms:
+
+* ``trl``: TRL's ``GRPOTrainer`` (``benchmarks/trl_copy.py``), synchronous, at its
+  fastest torch thread count: unless ``--trl-threads`` is given, a probe first runs TRL
+  for ``--probe-s`` seconds of training at 1 and at 2 threads (seed 0, both printed) and
+  the faster is used for every seed. ``trl1``/``trl2`` force a thread count.
+* ``s<N>``: ``sluice up examples/copy.toml`` at ``trainer.max_staleness`` N with the
+  example's other settings (``--set`` overrides from ``--sluice-set`` apply to every
+  sluice arm).
+* ``--arm NAME=key=value;key=value``: a sluice arm with its own ``--set`` overrides on
+  top of s1's (an ablation, e.g. ``keep=scoring.zero_variance=train``).
 
 Each run stops at ``--target`` held-out exact match or after ``--budget-s``. Clocks start
-at each run's step-0 evaluation (process start-up and imports are not counted on either
-side). TRL's clock pauses while it evaluates; sluice's evaluator shares the cores, so
-that cost is charged to sluice. "samples" is completions *generated*: for sluice that
-includes groups the scorers filtered (all rewards equal) or the trainer dropped as stale,
-because generating them cost time; TRL trains every group it generates.
+at each run's step-0 evaluation (imports and start-up are not counted on either side).
+TRL's clock pauses while it evaluates; sluice's evaluator shares the cores, so that cost
+is charged to sluice. "samples" are completions *generated*: for sluice that includes
+groups filtered (all rewards equal) or dropped stale. Results are saved after every run
+in ``OUT/results.json``; a run already there is not repeated (``--redo`` to force).
 
-Prints a table, the ratios sluice / TRL, and where each run's CPU time went (per role
-for sluice, generate+score vs the rest for TRL); writes ``results.json`` in ``--out``.
-Ratios, not absolute times, are the result: the machine is shared and noisy.
+The report gives, per arm, how many seeds reached the target, and the median and range
+of time, samples and steps to it (a seed that did not reach it counts as infinitely
+slow), then the ratio of medians to TRL's.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -42,28 +53,32 @@ from pipeline.report import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-THRESHOLDS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 ROLES = {"up": "up", "generate": "generator", "score": "scorer", "train": "trainer",
          "eval": "evaluator"}  # sluice subcommand -> role
+REWARD_TARGETS = (0.8, 0.9)
 
 
-def run_trl(a: argparse.Namespace, model: Path, out: Path) -> dict[str, Any]:
+def common_args(a: argparse.Namespace) -> dict[str, Any]:
+    return {"beta": a.beta, "lr": a.lr, "adam_beta2": a.adam_beta2}
+
+
+def run_trl(a: argparse.Namespace, model: Path, out: Path, seed: int, threads: int,
+            budget_s: float) -> dict[str, Any]:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     cmd = [PY, str(ROOT / "benchmarks" / "trl_copy.py"), "--out", str(out), "--model",
-           str(model), "--seed", str(a.seed), "--budget-s", str(a.budget_s),
+           str(model), "--seed", str(seed), "--budget-s", str(budget_s),
            "--eval-every-s", str(a.eval_every_s), "--target", str(a.target),
-           "--beta", str(a.beta)]
-    if not a.kl_bias_correction:
-        cmd.append("--no-kl-bias-correction")
-    log = open(out.parent / f"{out.name}.log", "w")
-    t = time.time()
-    subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-    log.close()
+           "--threads", str(threads), "--beta", str(a.beta), "--lr", str(a.lr),
+           "--adam-beta2", str(a.adam_beta2)]
+    with open(out / "run.log", "w") as log:
+        subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
     prof = json.loads((out / "profile.json").read_text())
     evals = read_jsonl(out / "eval.jsonl")
-    return {"evals": [{"t": e["t"], "samples": e["samples"], "trained": e["samples"],
+    return {"evals": [{"t": e["t"], "samples": e["samples"], "step": e["step"],
                        "exact": e["exact_match"], "reward": e["reward"]} for e in evals],
-            "completions_per_s": rate(evals),
-            "wall_s": time.time() - t, "steps": prof["steps"],
+            "steps": prof["steps"], "steps_per_s": prof["steps"] / max(prof["train_clock_s"], 1e-9),
+            "threads": threads,
             "profile": {"generate+score": prof["generate_and_score_s"],
                         "optimize+rest": prof["optimize_and_rest_s"]}}
 
@@ -79,19 +94,22 @@ def role_of(p: psutil.Process) -> str:
     return next((ROLES[tok] for tok in argv if tok in ROLES), "other")
 
 
-def run_sluice(a: argparse.Namespace, model: Path, out: Path, staleness: int) -> dict[str, Any]:
-    sets = {"run.output_dir": out, "model.path": model, "run.seed": a.seed,
-            "trainer.beta": a.beta, "trainer.max_staleness": staleness,
-            "trainer.kl_bias_correction": str(a.kl_bias_correction).lower(),
-            "trainer.max_steps": 10**6, "run.max_time_s": a.budget_s + 60,
-            "up.stop_at_eval_exact": a.target, "up.plot": "false"}
+def run_sluice(a: argparse.Namespace, model: Path, out: Path, seed: int,
+               overrides: dict[str, str]) -> dict[str, Any]:
+    shutil.rmtree(out, ignore_errors=True)  # no stale eval.jsonl to misread
+    out.mkdir(parents=True)
+    sets: dict[str, Any] = {
+        "run.output_dir": out, "model.path": model, "run.seed": seed, "trainer.beta": a.beta,
+        "trainer.lr": a.lr, "trainer.adam_betas": f"[0.9,{a.adam_beta2}]",
+        "trainer.max_steps": 10**6, "run.max_time_s": a.budget_s + 60,
+        "up.stop_at_eval_exact": a.target, "up.plot": "false"}
     sets.update(kv.split("=", 1) for kv in a.sluice_set)
+    sets.update(overrides)
     cmd = [str(ROOT / ".venv" / "bin" / "sluice"), "up", str(ROOT / "examples" / "copy.toml"),
            "--fresh", "--eval-every", str(a.eval_every_s)]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     log = open(out.parent / f"{out.name}.log", "w")
-    t = time.time()
     proc = psutil.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     cpu: dict[int, tuple[str, float]] = {}
     t_first: float | None = None
@@ -111,156 +129,192 @@ def run_sluice(a: argparse.Namespace, model: Path, out: Path, staleness: int) ->
     log.close()
     evals = read_jsonl(out / "eval.jsonl")
     metrics = read_jsonl(out / "metrics.jsonl")
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() \
-        else {}
     group = 8
-    generated = {m["step"]: (m["step"] * 8 + m.get("filtered", 0) + m.get("dropped_stale", 0))
-                 * group for m in metrics}
+    by_step = {m["step"]: m for m in metrics}
+    generated = {s: (s * 8 + m.get("filtered", 0) + m.get("dropped_stale", 0)) * group
+                 for s, m in by_step.items()}
     t0 = evals[0]["ts"] if evals else 0.0
-    rows = [{"t": e["ts"] - t0, "samples": generated.get(e["step"], 0),
-             "trained": e["step"] * 8 * group, "exact": e["exact_match"], "reward": e["reward"]}
+    rows = [{"t": e["ts"] - t0, "samples": generated.get(e["step"], 0), "step": e["step"],
+             "exact": e["exact_match"], "reward": e["reward"]}
             for e in evals if e["ts"] - t0 <= a.budget_s + 1e-6]
     by_role: dict[str, float] = {}
     for role, sec in cpu.values():
         by_role[role] = by_role.get(role, 0.0) + sec
-    return {"evals": rows, "completions_per_s": rate(rows),
-            "wall_s": time.time() - t, "profile": by_role,
-            "dropped_stale": summary.get("dropped_stale"), "filtered": summary.get("filtered")}
+    last = metrics[-1] if metrics else {}
+    late = [m for m in metrics if m["step"] >= 0.8 * last.get("step", 0)] or [{}]
+    return {"evals": rows, "steps": last.get("step", 0), "profile": by_role,
+            "steps_per_s": last.get("step", 0) / max(rows[-1]["t"], 1e-9) if rows else None,
+            "late": {k: statistics.fmean(m[k] for m in late if k in m)
+                     for k in ("entropy", "grad_norm", "staleness_mean")
+                     if any(k in m for m in late)},
+            "filtered": last.get("filtered", 0), "dropped_stale": last.get("dropped_stale", 0)}
 
 
-def rate(evals: list[dict[str, Any]]) -> float | None:
-    """Completions generated per second of the run's clock, at its last evaluation."""
-    last = evals[-1] if evals else None
-    return last["samples"] / last["t"] if last and last["t"] > 0 else None
-
-
-def first_reaching(evals: list[dict[str, Any]], thr: float,
-                   key: str = "exact") -> dict[str, Any] | None:
+def first(evals: list[dict[str, Any]], thr: float, key: str = "exact") -> dict[str, Any] | None:
     return next((e for e in evals if e[key] >= thr), None)
 
 
-def fmt(x: float | None, spec: str = ".0f") -> str:
-    return "-" if x is None else format(x, spec)
+def probe_trl_threads(a: argparse.Namespace, model: Path) -> tuple[int, dict[int, float]]:
+    """TRL's training steps per second at 1 and 2 torch threads (seed 0, ``--probe-s``
+    of training each, no target); the faster count is TRL's best setting here."""
+    rates = {}
+    for threads in (1, 2):
+        print(f"== probe: TRL at {threads} thread(s) for {a.probe_s:.0f}s", flush=True)
+        r = run_trl(argparse.Namespace(**{**vars(a), "target": 2.0}), model,
+                    a.out / f"probe-trl{threads}", 0, threads, a.probe_s)
+        rates[threads] = r["steps_per_s"]
+        print(f"   {rates[threads]:.2f} steps/s", flush=True)
+    return max(rates, key=lambda t: rates[t]), rates
 
 
-def common_threshold(res: dict[str, dict[str, Any]], key: str, label: str) -> list[str]:
-    """Time and samples to the highest held-out ``key`` threshold that every run reached,
-    and their ratios to TRL: the comparison that exists even when 0.9 is out of reach."""
-    common = next((thr for thr in THRESHOLDS
-                   if all(first_reaching(r["evals"], thr, key) for r in res.values())), None)
-    if common is None:
-        return [f"no held-out {label} threshold reached by every run"]
-    lines = [f"highest held-out {label} reached by every run: {common}"]
-    base = first_reaching(res["trl"]["evals"], common, key) if "trl" in res else None
-    for n, r in res.items():
-        hit = first_reaching(r["evals"], common, key)
-        assert hit is not None
-        ratio = "" if base is None or n == "trl" else (
-            f"   / TRL: time {hit['t'] / max(base['t'], 1e-9):.2f}, "
-            f"samples {hit['samples'] / max(base['samples'], 1):.2f}")
-        trained = f"  trained={hit['trained']:>7}" if "trained" in hit else ""
-        lines.append(f"  {n:<6} t={hit['t']:7.1f}s  samples={hit['samples']:>8}{trained}{ratio}")
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("inf")
+
+
+def span(xs: list[float], spec: str) -> str:
+    """``median [min-max]``; a seed that never reached the threshold shows as ``never``."""
+    if med(xs) == float("inf"):
+        return "-"
+    if len(xs) == 1:
+        return format(xs[0], spec)
+    hi = max(xs)
+    hi_s = "never" if hi == float("inf") else format(hi, spec)
+    return f"{format(med(xs), spec)} [{format(min(xs), spec)}-{hi_s}]"
+
+
+def arm_hits(runs: list[dict[str, Any]], thr: float, key: str) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"t": [], "samples": [], "step": []}
+    for r in runs:
+        hit = first(r["evals"], thr, key)
+        for k in out:
+            out[k].append(float("inf") if hit is None else float(hit[k]))
+    return out
+
+
+def report(res: dict[str, dict[str, dict[str, Any]]], target: float) -> list[str]:
+    lines: list[str] = []
+    base_arm = next((n for n in res if n.startswith("trl")), None)
+    for key, thr in [("exact", target)] + [("reward", t) for t in REWARD_TARGETS]:
+        lines.append(f"held-out {'greedy exact match' if key == 'exact' else 'reward'} >= "
+                     f"{thr}: median [min-max] over seeds")
+        hdr = (f"  {'arm':<10} {'reached':>7} {'time s':>22} {'samples':>26} {'steps':>20}"
+               f" {'time/TRL':>9} {'samples/TRL':>11}")
+        lines += [hdr, "  " + "-" * (len(hdr) - 2)]
+        base = arm_hits(list(res[base_arm].values()), thr, key) if base_arm else None
+        for name, seeds in res.items():
+            h = arm_hits(list(seeds.values()), thr, key)
+            reached = sum(x != float("inf") for x in h["t"])
+            rt = rs = "-"
+            if base and name != base_arm and med(h["t"]) < float("inf") > med(base["t"]):
+                rt = f"{med(h['t']) / med(base['t']):.2f}"
+                rs = f"{med(h['samples']) / med(base['samples']):.2f}"
+            lines.append(f"  {name:<10} {reached:>3}/{len(seeds):<3} {span(h['t'], '.0f'):>22} "
+                         f"{span(h['samples'], '.0f'):>26} {span(h['step'], '.0f'):>20} "
+                         f"{rt:>9} {rs:>11}")
+        lines.append("")
+    lines.append("per run: seed, best exact, steps, steps/s, late entropy / grad norm "
+                 "(last 20% of steps), filtered, stale; CPU seconds per role (sluice) or "
+                 "wall seconds per phase (TRL)")
+    for name, seeds in res.items():
+        for seed, r in seeds.items():
+            late = r.get("late", {})
+            best = max((e["exact"] for e in r["evals"]), default=0.0)
+            prof = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["profile"].items(),
+                                                                key=lambda kv: -kv[1]))
+            lines.append(
+                f"  {name:<10} {seed:>3} best {best:.3f}  {r['steps']:>5} steps "
+                f"{r.get('steps_per_s') or 0:5.2f}/s  H {late.get('entropy', float('nan')):.3f}"
+                f"  |g| {late.get('grad_norm', float('nan')):6.2f}  filtered "
+                f"{r.get('filtered', 0):>6} stale {r.get('dropped_stale', 0):>5}  ({prof})")
     return lines
 
 
-def report(res: dict[str, dict[str, Any]], target: float) -> list[str]:
-    lines = []
-    names = list(res)
-    hdr = (f"{'run':<6} {'evals':>5} {'best exact':>10} {'final exact':>11} {'final reward':>12}"
-           f" {'t->' + str(target):>8} {'samples->' + str(target):>13} {'completions/s':>13}")
-    lines += [hdr, "-" * len(hdr)]
-    for n in names:
-        ev = res[n]["evals"]
-        hit = first_reaching(ev, target)
-        lines.append(
-            f"{n:<6} {len(ev):>5} {max((e['exact'] for e in ev), default=0):>10.3f} "
-            f"{ev[-1]['exact'] if ev else 0:>11.3f} {ev[-1]['reward'] if ev else 0:>12.3f} "
-            f"{fmt(hit and hit['t']):>8} {fmt(hit and hit['samples']):>13} "
-            f"{fmt(res[n]['completions_per_s'], '.0f'):>13}")
-    for key, label in (("exact", "exact match"), ("reward", "reward")):
-        lines += ["", *common_threshold(res, key, label)]
-    if "trl" in res and res["trl"]["completions_per_s"]:
-        lines.append("completions/s ratio (sluice / TRL): " + "  ".join(
-            f"{n} {r['completions_per_s'] / res['trl']['completions_per_s']:.2f}"
-            for n, r in res.items() if n != "trl" and r["completions_per_s"]))
-    lines.append("")
-    marks = [60, 120, 180, 300, 420, 600, 900]
-    smarks = [20_000, 50_000, 100_000, 150_000, 200_000]
-    for key, label in (("exact", "exact match"), ("reward", "reward")):
-        lines.append(f"held-out {label} (best so far) at equal wall time (s):")
-        lines.append("  run   " + "".join(f"{m:>7}" for m in marks))
-        for n, r in res.items():
-            ev = r["evals"]
-            cells = [max((e[key] for e in ev if e["t"] <= m), default=None)
-                     if any(e["t"] >= m - 1 for e in ev) else None for m in marks]
-            lines.append(f"  {n:<6}" + "".join(f"{fmt(c, '.3f'):>7}" for c in cells))
-        lines.append(f"held-out {label} (best so far) at equal samples generated (thousands):")
-        lines.append("  run   " + "".join(f"{m // 1000:>7}" for m in smarks))
-        for n, r in res.items():
-            ev = r["evals"]
-            cells = [max((e[key] for e in ev if e["samples"] <= m), default=None)
-                     if any(e["samples"] >= m for e in ev) else None for m in smarks]
-            lines.append(f"  {n:<6}" + "".join(f"{fmt(c, '.3f'):>7}" for c in cells))
-    lines.append("")
-    lines.append("where the time went (sluice: CPU seconds per role process; "
-                 "TRL: wall seconds per phase, each phase using every core):")
-    for n, r in res.items():
-        tot = sum(r["profile"].values()) or 1.0
-        parts = sorted(r["profile"].items(), key=lambda kv: -kv[1])
-        lines.append(f"  {n:<6} " + ", ".join(f"{k} {v:.0f}s ({v / tot:.0%})" for k, v in parts))
-    return lines
+def parse_arms(a: argparse.Namespace) -> dict[str, dict[str, str] | None]:
+    """Arm name -> sluice ``--set`` overrides (None for TRL arms)."""
+    custom = {}
+    for spec in a.arm:
+        name, _, sets = spec.partition("=")
+        custom[name] = dict(kv.split("=", 1) for kv in sets.split(";") if kv)
+    arms: dict[str, dict[str, str] | None] = {}
+    for name in a.arms.split(","):
+        if name in ("trl", "trl1", "trl2"):
+            arms[name] = None
+        elif name in custom:
+            arms[name] = custom[name]
+        elif name.startswith("s") and name[1:].isdigit():
+            arms[name] = {"trainer.max_staleness": name[1:]}
+        else:
+            raise SystemExit(f"unknown arm {name!r}: trl, trl1, trl2, s<N> or one --arm names")
+    return arms
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_vs_trl")
-    p.add_argument("--runs", default="trl,s1,s0,s4",
-                   help="comma list of trl, s<max_staleness> (e.g. s0, s4)")
-    p.add_argument("--budget-s", type=float, default=600.0)
+    p.add_argument("--arms", default="trl,s1")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME=K=V;K=V")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--budget-s", type=float, default=480.0)
+    p.add_argument("--probe-s", type=float, default=45.0)
+    p.add_argument("--trl-threads", type=int, default=0, help="0 = probe 1 and 2")
     p.add_argument("--eval-every-s", type=float, default=10.0)
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--beta", type=float, default=0.0)
-    p.add_argument("--kl-bias-correction", action=argparse.BooleanOptionalAction,
-                   default=True, help="TRL's use_bias_correction_kl, on both sides")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--adam-beta2", type=float, default=0.99)
     p.add_argument("--sluice-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra `sluice up --set` for every sluice run (e.g. trainer.is_mode=...)")
-    p.add_argument("--report-only", action="store_true",
-                   help="print the report of an earlier run from OUT/results.json")
+                   help="extra `sluice up --set` for every sluice arm")
+    p.add_argument("--redo", action="store_true", help="repeat runs already in results.json")
+    p.add_argument("--report-only", action="store_true")
     a = p.parse_args()
-    if a.report_only:
-        saved = json.loads((a.out / "results.json").read_text())
-        print("\n".join(report(saved["runs"], float(saved["args"]["target"]))))
-        return
     a.out.mkdir(parents=True, exist_ok=True)
-    model = a.out / "model"
+    path = a.out / "results.json"
+    saved = json.loads(path.read_text()) if path.exists() else {"runs": {}}
+    res: dict[str, dict[str, dict[str, Any]]] = saved["runs"]
+    if a.report_only:
+        print(f"settings: {saved.get('args')}\n" + "\n".join(report(res, a.target)))
+        return
+    arms = parse_arms(a)
+    seeds = [int(s) for s in a.seeds.split(",")]
+    threads = a.trl_threads
+    if "trl" in arms and not threads:
+        threads, rates = probe_trl_threads(a, model_for(a, 0))
+        saved["trl_threads_probe"] = {str(k): v for k, v in rates.items()}
+    for name, overrides in arms.items():
+        for seed in seeds:
+            if str(seed) in res.get(name, {}) and not a.redo:
+                continue
+            print(f"== {name} seed {seed} (budget {a.budget_s:.0f}s)", flush=True)
+            model, out = model_for(a, seed), a.out / f"{name}-seed{seed}"
+            if overrides is None:
+                n = int(name[3:]) if name[3:] else threads
+                r = run_trl(a, model, out, seed, n, a.budget_s)
+            else:
+                r = run_sluice(a, model, out, seed, overrides)
+            r["sets"] = overrides
+            res.setdefault(name, {})[str(seed)] = r
+            best = max((e["exact"] for e in r["evals"]), default=0.0)
+            hit = first(r["evals"], a.target)
+            at = "not reached" if hit is None else f"reached at {hit['t']:.0f}s"
+            print(f"   best exact {best:.3f}; target {at}", flush=True)
+            saved["args"] = {"cpus": os.cpu_count(), **common_args(a),
+                             "budget_s": a.budget_s, "target": a.target,
+                             "sluice_set": a.sluice_set}
+            path.write_text(json.dumps(saved, indent=1))
+    print(f"\ncpus={os.cpu_count()} {common_args(a)} target={a.target} "
+          f"TRL threads={threads or '-'} probe={saved.get('trl_threads_probe')}")
+    print("\n".join(report(res, a.target)))
+
+
+def model_for(a: argparse.Namespace, seed: int) -> Path:
+    """The tiny model of one seed, built once and shared by every arm."""
+    model = a.out / f"model-seed{seed}"
     if not (model / "config.json").exists():
         from pipeline.model import init_tiny_model
 
-        init_tiny_model(model, seed=a.seed)
-    res: dict[str, dict[str, Any]] = {}
-    for name in a.runs.split(","):
-        print(f"== {name} (budget {a.budget_s:.0f}s, beta {a.beta}) ...", flush=True)
-        out = a.out / name
-        if name == "trl":
-            res[name] = run_trl(a, model, out)
-        elif name.startswith("s") and name[1:].isdigit():
-            shutil.rmtree(out, ignore_errors=True)  # no stale eval.jsonl to misread
-            out.mkdir(parents=True)
-            res[name] = run_sluice(a, model, out, int(name[1:]))
-        else:
-            raise SystemExit(f"unknown run {name!r}: use trl or s<max_staleness>")
-        ev = res[name]["evals"]
-        print(f"   {len(ev)} evals, best exact {max((e['exact'] for e in ev), default=0):.3f}",
-              flush=True)
-    print(f"\ncpus={os.cpu_count()} budget={a.budget_s:.0f}s beta={a.beta} "
-          f"kl_bias_correction={a.kl_bias_correction} target={a.target}")
-    lines = report(res, a.target)
-    print("\n".join(lines))
-    (a.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in
-                                                             vars(a).items()}, "runs": res},
-                                                   indent=1))
+        init_tiny_model(model, seed=seed)
+    return model
 
 
 if __name__ == "__main__":

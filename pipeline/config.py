@@ -214,6 +214,11 @@ class ScoringConfig(_Section):
     """Reward functions (TRL signature) and weights; the total is the weighted sum."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """How advantages are scaled (TRL's scale_rewards); `batch` is per scorer read."""
+    zero_variance: Literal["filter", "train"] = "filter"
+    """A group whose rewards are all equal (advantage 0 everywhere): `filter` retires it
+    `filtered` and the trainer fills its step with other groups; `train` hands it on and
+    the trainer trains it at advantage 0, as TRL does (with `dapo` its tokens count in
+    the normaliser, so the step shrinks as groups saturate)."""
     std_ddof: int = Field(1, ge=0, le=1)
     """Delta degrees of freedom of the reward std: 1 = unbiased (TRL), 0 = population."""
     std_eps: float = Field(1e-4, ge=0)
@@ -226,7 +231,8 @@ class ScoringConfig(_Section):
 
 class TrainerConfig(_Section):
     groups_per_step: int = Field(8, ge=1)
-    """Groups (prompts) per optimizer step, after zero-variance groups are filtered."""
+    """Groups (prompts) per optimizer step (after zero-variance groups are filtered, with
+    scoring.zero_variance = filter)."""
     max_staleness: int = Field(1, ge=0)
     """Samples with version_now - min(token version) above this are dropped (retired
     `stale`). Also sizes the admission window: (max_staleness + 1) * groups_per_step."""
@@ -240,16 +246,33 @@ class TrainerConfig(_Section):
     """AdamW betas."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient norm clip."""
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "dapo"
-    """Normalisation of the GRPO loss, as TRL's loss_type (see trainer/loss.py)."""
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo"] = "dapo"
+    """Normalisation of the GRPO loss, as TRL's loss_type (see trainer/loss.py); `cispo`
+    is CISPO (MiniMax-M1): the ratio, capped at epsilon_high and detached, weights
+    A·log π for every token; dapo's normaliser."""
     epsilon: float = Field(0.2, gt=0, lt=1)
     """Lower clip range of the surrogate ratio."""
     epsilon_high: float | None = Field(None, gt=0)
-    """Upper clip range (DAPO's clip-higher); None = epsilon."""
+    """Upper clip range (DAPO's clip-higher); None = epsilon. With loss_type `cispo`:
+    the absolute cap ε_max of the ratio (TRL's convention), required, > 1."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """`sequence`: GSPO (Zheng et al. 2025) — one ratio per sequence, the geometric mean
+    of its token ratios, clipped as a whole (TRL's importance_sampling_level)."""
+    decoupled_ppo: bool = True
+    """AReaL's decoupled PPO (Fu et al. 2025): the ratio is clipped against the proximal
+    policy (the trainer's weights at the step's start) and `is_mode` weights it to the
+    behaviour policy. False: the ratio is taken against the behaviour (sampling) policy
+    itself and no separate weight is applied (the clip then bounds the move from the
+    sampler)."""
+    geo_mask: tuple[float, float] | None = None
+    """verl's rollout correction (rollout_rs = geometric): drop a sequence whose
+    geometric-mean ratio exp(mean(log π_old - log π_behaviour)) is outside [lo, hi],
+    e.g. [0.5, 2.0]. None = off."""
     is_mode: Literal[
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"
     ] = "token_truncate"
-    """Importance-sampling correction between trainer and behaviour logprobs."""
+    """Importance-sampling correction between trainer and behaviour logprobs.
+    `token_mask` with is_clip_min/is_clip_max = 0.5/5 is IcePop (Ling Team 2025)."""
     is_clip_min: float = Field(0.0, ge=0)
     """Lower bound of the IS ratio: *_mask modes zero ratios below it, *_truncate modes
     raise them to it (TRL's vllm_importance_sampling_clip_min; 0 = none)."""
@@ -316,6 +339,10 @@ class TrainerConfig(_Section):
             raise ValueError("is_clip_min must be <= is_clip_max")
         if self.warmup_steps > self.max_steps:
             raise ValueError("warmup_steps must be <= max_steps")
+        if self.loss_type == "cispo" and not (self.epsilon_high and self.epsilon_high > 1):
+            raise ValueError("loss_type = cispo needs epsilon_high > 1 (the ratio cap ε_max)")
+        if self.geo_mask is not None and not 0 <= self.geo_mask[0] <= 1 <= self.geo_mask[1]:
+            raise ValueError("geo_mask needs [lo, hi] with 0 <= lo <= 1 <= hi")
         return self
 
     @property

@@ -32,8 +32,13 @@ Where it differs from TRL:
 * ``is_clip_min`` defaults to 0 (TRL: None); both mean "no lower bound" because ratios
   are positive. Importance weights are 0 where ``mask`` is 0; a NaN behaviour logprob
   (an engine that could not report one) gives weight 1, as in TRL.
-* No GSPO sequence-level ratio, no ``delta`` two-sided clip, no entropy masking, no
-  Liger kernel. Inputs at masked positions are replaced by 0 before any maths, so
+* Off-policy options (``trainer/offpolicy.py``, each named after its source there):
+  ``decoupled_ppo`` = False takes the ratio against the behaviour policy (then no separate
+  importance weight); ``importance_sampling_level = "sequence"`` is GSPO (TRL's name);
+  ``loss_type = "cispo"`` is CISPO with ``epsilon_high`` as the absolute ratio cap ε_max
+  (TRL's convention) and dapo's normaliser; ``geo_mask`` drops sequences whose
+  geometric-mean ``π_old / π_behaviour`` leaves a band (verl's rollout correction).
+* No ``delta`` two-sided clip, no entropy masking, no Liger kernel. Inputs at masked positions are replaced by 0 before any maths, so
   padding garbage (even inf/NaN) cannot leak into the loss or the gradient.
 
 With top-k / top-p sampling the trainer's ``logps`` come from
@@ -55,7 +60,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo"]
+from trainer.offpolicy import (
+    cispo_per_token,
+    geometric_mean_mask,
+    reference_logps,
+    sequence_log_ratio,
+)
+
+LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo"]
 IsMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"]
 
 __all__ = [
@@ -70,7 +82,7 @@ __all__ = [
     "selective_log_softmax",
 ]
 
-_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo")
 _IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
 
 
@@ -93,6 +105,13 @@ class LossConfig:
     """Multiply the KL term by ``coef_1`` (TRL ``use_bias_correction_kl``)."""
     max_completion_length: int | None = None
     """Required by ``dr_grpo`` (its constant normaliser)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """``sequence``: GSPO's one ratio per sequence (geometric mean of token ratios)."""
+    decoupled_ppo: bool = True
+    """Ratio against the proximal policy (``old``) plus the ``is_mode`` weight to the
+    behaviour policy (AReaL); False: ratio against the behaviour policy, no IS weight."""
+    geo_mask: tuple[float, float] | None = None
+    """Drop sequences whose geometric-mean ``π_old / π_behaviour`` is outside [lo, hi]."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in _LOSS_TYPES:
@@ -109,6 +128,16 @@ class LossConfig:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         if self.loss_type == "dr_grpo" and not self.max_completion_length:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length >= 1")
+        if self.loss_type == "cispo" and not (self.epsilon_high and self.epsilon_high > 1.0):
+            raise ValueError("loss_type='cispo' needs epsilon_high > 1: the cap ε_max of the "
+                             "importance ratio (TRL's convention), e.g. 5.0")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise ValueError("importance_sampling_level must be 'token' or 'sequence', got "
+                             f"{self.importance_sampling_level!r}")
+        if self.geo_mask is not None:
+            lo, hi = self.geo_mask
+            if not 0.0 <= lo <= 1.0 <= hi:
+                raise ValueError(f"geo_mask needs 0 <= lo <= 1 <= hi, got {self.geo_mask}")
 
     @property
     def eps_low(self) -> float:
@@ -227,12 +256,21 @@ def grpo_loss(
     beh = torch.where(m, behaviour_logps.detach().to(dt), 0.0)  # may hold NaN (unknown)
     adv = advantages.detach().to(dt).unsqueeze(1)
 
-    coef_1 = torch.exp(lp - old)
+    log_ratio = lp - reference_logps(old, beh, cfg.decoupled_ppo)
+    if cfg.importance_sampling_level == "sequence":  # GSPO: [B, 1]
+        log_ratio = sequence_log_ratio(log_ratio, m)
+    coef_1 = torch.exp(log_ratio)
     coef_2 = torch.clamp(coef_1, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    per_token = -torch.minimum(coef_1 * adv, coef_2 * adv)
-    per_token = per_token * importance_weights(
-        old, beh, m, cfg.is_mode, cfg.is_clip_min, cfg.is_clip_max
-    )
+    if cfg.loss_type == "cispo":
+        per_token = cispo_per_token(lp, coef_1, adv, cfg.eps_high)
+    else:
+        per_token = -torch.minimum(coef_1 * adv, coef_2 * adv)
+    if cfg.decoupled_ppo:  # else the ratio itself already corrects for the sampler
+        per_token = per_token * importance_weights(
+            old, beh, m, cfg.is_mode, cfg.is_clip_min, cfg.is_clip_max
+        )
+    if cfg.geo_mask is not None:
+        per_token = per_token * geometric_mean_mask(old, beh, m, *cfg.geo_mask)
     per_token_kl = None
     if cfg.beta > 0:
         assert ref_logps is not None
@@ -253,7 +291,7 @@ def grpo_loss(
     elif cfg.loss_type == "dr_grpo":
         assert cfg.max_completion_length is not None
         loss = masked.sum() / (step_rows * cfg.max_completion_length)
-    else:  # dapo
+    else:  # dapo, cispo
         loss = masked.sum() / (step_tokens if num_items_in_batch is None else num_items_in_batch)
 
     with torch.no_grad():
@@ -261,8 +299,12 @@ def grpo_loss(
         def mmean(x: Tensor) -> float:
             return float((x.to(dt) * mf).sum() / n_tokens)
 
-        low = (coef_1 < 1.0 - cfg.eps_low) & (adv < 0)
-        high = (coef_1 > 1.0 + cfg.eps_high) & (adv > 0)
+        c1 = coef_1.expand(shape)
+        if cfg.loss_type == "cispo":  # TRL's cispo_clip_ratio: capped weights with A > 0
+            low, high = torch.zeros_like(m), (c1 > cfg.eps_high) & (adv > 0)
+        else:
+            low = (c1 < 1.0 - cfg.eps_low) & (adv < 0)
+            high = (c1 > 1.0 + cfg.eps_high) & (adv > 0)
         raw = torch.exp(old - beh)[m]
         raw = raw[~torch.isnan(raw)]
         empty = raw.numel() == 0

@@ -2,7 +2,8 @@
 
 A consumer in group ``scorers`` on ``rollouts``. Per entry, exactly one of:
 - hand-off to ``scored`` (atomic with the ack, conditional on the entry still pending);
-- retire ``filtered`` when all rewards of the group are equal (no gradient);
+- retire ``filtered`` when all rewards of the group are equal (no gradient), unless
+  ``scoring.zero_variance = "train"`` (then it is handed off at advantage 0, as TRL trains it);
 - dead-letter (retired ``dead``): undecodable entry, or reward functions failing on
   ``max_deliveries`` deliveries;
 - leave pending: a reward function failed and deliveries remain (read again later).
@@ -131,7 +132,7 @@ class Scorer:
             gid = g.group_id
             self.ledger.write("scored", gid, id=e.id, n=len(total),
                               adv_sum=round(float(np.sum(adv)), 6))
-            if is_zero_variance(total):
+            if sc.zero_variance == "filter" and is_zero_variance(total):
                 op = self.op("filtered", e)
                 if await self.ledger.settle(
                         op, [{"ev": "filtered", "gid": gid, "id": e.id}],
