@@ -122,7 +122,8 @@ def main() -> None:
         output_dir=str(a.out / "trl"), per_device_train_batch_size=a.completions_per_step,
         num_generations=a.num_generations, max_completion_length=a.max_new_tokens,
         learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
-        optim="adamw_torch", adam_beta1=0.9, adam_beta2=a.adam_beta2, beta=a.beta, use_bias_correction_kl=not a.no_kl_bias_correction,
+        optim="adamw_torch", adam_beta1=0.9, adam_beta2=a.adam_beta2, beta=a.beta,
+        use_bias_correction_kl=not a.no_kl_bias_correction,
         loss_type="dapo", epsilon=0.2, scale_rewards="group",
         temperature=1.0, max_steps=10**6, save_strategy="no", logging_steps=10**6,
         report_to="none", bf16=False, use_cpu=True, seed=a.seed, disable_tqdm=True)

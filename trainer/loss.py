@@ -38,8 +38,9 @@ Where it differs from TRL:
   ``loss_type = "cispo"`` is CISPO with ``epsilon_high`` as the absolute ratio cap ε_max
   (TRL's convention) and dapo's normaliser; ``geo_mask`` drops sequences whose
   geometric-mean ``π_old / π_behaviour`` leaves a band (verl's rollout correction).
-* No ``delta`` two-sided clip, no entropy masking, no Liger kernel. Inputs at masked positions are replaced by 0 before any maths, so
-  padding garbage (even inf/NaN) cannot leak into the loss or the gradient.
+* No ``delta`` two-sided clip, no entropy masking, no Liger kernel. Inputs at masked
+  positions are replaced by 0 before any maths, so padding garbage (even inf/NaN)
+  cannot leak into the loss or the gradient.
 
 With top-k / top-p sampling the trainer's ``logps`` come from
 :func:`candidate_log_softmax` (renormalised over each token's recorded candidate set),
