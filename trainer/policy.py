@@ -129,6 +129,18 @@ def step_norm(batch: Batch, dp: DataParallel | None = None) -> LossNorm:
     return LossNorm(tokens=float(t[0]), rows=int(t[1]))
 
 
+def gradient_rows(batch: Batch, loss: LossConfig) -> torch.Tensor:
+    """Indices of the rows whose gradient can be non-zero. With ``beta`` = 0 a row at
+    advantage exactly 0 (a zero-variance group, trained as TRL does with
+    ``scoring.zero_variance = "train"``) has per-token loss ``-min(r·0, clip(r)·0)·w = 0``
+    and zero gradient under every loss type, so it is not forwarded: its tokens and row
+    still count in the step's normaliser (`step_norm`), which is all it contributes.
+    Per-step metrics (entropy, clip and IS ratios) are then over the forwarded rows."""
+    if loss.beta > 0:
+        return torch.arange(batch.num_rows)
+    return torch.nonzero(batch.advantages != 0).flatten()
+
+
 def lean_logps(model: torch.nn.Module, mb: Batch, st: StepSettings,
                with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logps [B, T], entropy [B, T] | None)`` of a micro-batch through the memory-lean
@@ -186,12 +198,16 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
     In a data-parallel job a rank with fewer micro-batches than the busiest rank repeats
     its first one at weight 0 (same collectives, zero gradient).
     """
-    mbs = micro_batches(batch, st)
-    weights = [1.0] * len(mbs)
+    norm = step_norm(batch, dp)  # every row counts in the normaliser, forwarded or not
+    live = gradient_rows(batch, st.loss)
+    if len(live) == 0:  # nothing carries a gradient: one zero-weight row keeps the step
+        mbs, weights = [batch.rows([0])], [0.0]  # (zero gradients, so AdamW still steps)
+    else:
+        mbs = micro_batches(batch if len(live) == batch.num_rows else batch.rows(live), st)
+        weights = [1.0] * len(mbs)
     if dp is not None:
         extra = dp.all_max(len(mbs)) - len(mbs)
         mbs, weights = mbs + [mbs[0]] * extra, weights + [0.0] * extra
-    norm = step_norm(batch, dp)
     ref: list[torch.Tensor | None] = [None] * len(mbs)
     old: list[torch.Tensor | None] = [None] * len(mbs)
     if st.loss.beta > 0:

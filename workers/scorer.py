@@ -130,9 +130,12 @@ class Scorer:
             for j, rf in enumerate(self.rewards):
                 self.part_sums[rf.name] += float(np.nansum(parts[:, j]))
             gid = g.group_id
+            flat = is_zero_variance(total)
+            if flat:  # exactly 0, so the trainer can tell it carries no gradient
+                adv = np.zeros_like(adv)
             self.ledger.write("scored", gid, id=e.id, n=len(total),
                               adv_sum=round(float(np.sum(adv)), 6))
-            if sc.zero_variance == "filter" and is_zero_variance(total):
+            if flat and sc.zero_variance == "filter":
                 op = self.op("filtered", e)
                 if await self.ledger.settle(
                         op, [{"ev": "filtered", "gid": gid, "id": e.id}],

@@ -171,3 +171,35 @@ def test_gradient_checkpointing_recomputes_without_changing_gradients(
         grads[on] = {n: p.grad for n, p in s.model.named_parameters()}
     for name, g in grads[False].items():
         torch.testing.assert_close(grads[True][name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
+def test_zero_advantage_rows_are_not_forwarded_but_counted(model_dir: Path, batch: Batch,
+                                                           loss_type: str) -> None:
+    """At beta 0 rows at advantage 0 (a zero-variance group trained as TRL does) are
+    skipped by `optimize`, and the gradient equals the full batch's (their tokens and
+    rows still in the normaliser); an all-zero step still steps AdamW with zero grads."""
+    b = copy.deepcopy(batch)
+    b.advantages[4:8] = 0.0  # the second group is flat
+    st = _settings(loss_type)
+    got = _grads_after_one_step(model_dir, b, st)
+    model = _fresh(model_dir)  # reference: every row forwarded, normaliser of the batch
+    loss, _ = compute_loss(model, b, st)
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(got[n], p.grad, atol=1e-6, rtol=1e-5, msg=n)
+    # the normaliser counted the skipped rows: dropping them changes the gradient
+    alone = _grads_after_one_step(model_dir, b.rows([0, 1, 2, 3, 8, 9, 10, 11]), st)
+    assert any(not torch.allclose(alone[n], got[n], atol=1e-7) for n in got)
+
+    flat = copy.deepcopy(batch)
+    flat.advantages.zero_()
+    model = _fresh(model_dir)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    out = optimize(model, opt, flat, st)
+    assert out["grad_norm"] == 0.0 and out["skipped"] == 0.0
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    assert opt.state[next(model.parameters())]["step"] == 1  # AdamW stepped (as TRL's)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # m = 0
