@@ -300,19 +300,26 @@ def grpo_loss(
         def mmean(x: Tensor) -> float:
             return float((x.to(dt) * mf).sum() / n_tokens)
 
-        c1 = coef_1.expand(shape)
         if cfg.loss_type == "cispo":  # TRL's cispo_clip_ratio: capped weights with A > 0
-            low, high = torch.zeros_like(m), (c1 > cfg.eps_high) & (adv > 0)
+            high = (coef_1 > cfg.eps_high) & (adv > 0)
+            low = torch.zeros_like(high)
         else:
-            low = (c1 < 1.0 - cfg.eps_low) & (adv < 0)
-            high = (c1 > 1.0 + cfg.eps_high) & (adv > 0)
+            low = (coef_1 < 1.0 - cfg.eps_low) & (adv < 0)
+            high = (coef_1 > 1.0 + cfg.eps_high) & (adv > 0)
+        if coef_1.shape[-1] == 1:  # GSPO: fractions of sequences (TRL's convention)
+            rows = m.any(dim=-1)
+
+            def cmean(x: Tensor) -> float:
+                return float(x.squeeze(-1)[rows].to(dt).mean()) if rows.any() else 0.0
+        else:
+            cmean = mmean
         raw = torch.exp(old - beh)[m]
         raw = raw[~torch.isnan(raw)]
         empty = raw.numel() == 0
         metrics = {
-            "clip_ratio/low_mean": mmean(low),
-            "clip_ratio/high_mean": mmean(high),
-            "clip_ratio/region_mean": mmean(low | high),
+            "clip_ratio/low_mean": cmean(low),
+            "clip_ratio/high_mean": cmean(high),
+            "clip_ratio/region_mean": cmean(low | high),
             "is_ratio/min": math.nan if empty else float(raw.min()),
             "is_ratio/mean": math.nan if empty else float(raw.mean()),
             "is_ratio/max": math.nan if empty else float(raw.max()),

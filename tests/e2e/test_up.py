@@ -55,6 +55,23 @@ def test_sluice_up_short_run_learns_balances_and_exits_cleanly(tmp_path: Path) -
     assert versions == sorted(versions) and len(set(versions)) == 90  # never backwards
 
 
+def test_sluice_up_learns_the_reverse_task_at_beta_zero(tmp_path: Path) -> None:
+    """A second task, with TRL's settings (beta 0, AdamW beta2 0.99, flat groups trained
+    at advantage 0): the held-out reward of the final weights at least doubles. A
+    regression in learning (loss, advantages, IS, the normaliser) fails here, in CI."""
+    out = tmp_path / "run"
+    args = up_args(ROOT / "examples" / "copy.toml", out, tmp_path / "model", "reverse",
+                   "task.name=reverse", "trainer.beta=0", "trainer.adam_betas=[0.9,0.99]",
+                   "scoring.zero_variance=train", "run.max_time_s=300", "up.plot=false")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=420)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reason"] == "finished" and summary["conservation"]["balanced"], summary
+    assert summary["eval_reward_after"] > 2 * summary["eval_reward_before"], summary
+
+
 def test_sluice_up_with_two_trainer_ranks_learns_and_passes_the_audit(tmp_path: Path) -> None:
     """The trainer as one torchrun job of 2 FSDP2 ranks (gloo): rank 0 reads and scatters,
     the run learns, and `sluice up`'s audit (run when it stops; a violation fails the

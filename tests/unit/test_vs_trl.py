@@ -170,6 +170,10 @@ CASES: list[dict[str, Any]] = [
     {"epsilon": 0.1, "epsilon_high": 0.28, "temperature": 0.7},
     {"beta": 0.1, "loss_type": "grpo"},
     {"beta": 0.1, "use_bias_correction_kl": False},
+    # GSPO's sequence-level ratio and CISPO (epsilon_high = the ratio cap)
+    {"importance_sampling_level": "sequence"},
+    {"importance_sampling_level": "sequence", "loss_type": "grpo"},
+    {"loss_type": "cispo", "epsilon_high": 5.0},
 ]
 
 
@@ -181,7 +185,8 @@ def _sluice_settings(cfg: dict[str, Any]) -> StepSettings:
             is_mode=cfg.get("vllm_importance_sampling_mode", "token_truncate"),
             is_clip_min=0.5, is_clip_max=3.0, beta=cfg.get("beta", 0.0),
             kl_bias_correction=cfg.get("use_bias_correction_kl", True),
-            max_completion_length=MAX_LEN),
+            max_completion_length=MAX_LEN,
+            importance_sampling_level=cfg.get("importance_sampling_level", "token")),
         temperature=cfg.get("temperature", 1.0), num_iterations=cfg.get("num_iterations", 1))
 
 
@@ -226,11 +231,15 @@ def test_loss_advantages_and_gradients_equal_trl(model_dir: Path, tmp_path: Path
         assert metrics["kl"] == 0.0  # reference == initial policy: KL value 0, gradient not
 
 
-def test_num_iterations_two_matches_trl_replay(model_dir: Path, tmp_path: Path) -> None:
-    """μ = 2: the same two optimizer steps (TRL's old logprobs fixed at batch start)."""
+@pytest.mark.parametrize(("level", "eps"), [("token", 0.05), ("sequence", 0.01)])
+def test_num_iterations_two_matches_trl_replay(model_dir: Path, tmp_path: Path, level: str,
+                                               eps: float) -> None:
+    """μ = 2: the same two optimizer steps (TRL's old logprobs fixed at batch start), with
+    token ratios and with GSPO's sequence ratio (whose clip the second pass reaches)."""
     sampler = _sampler_logps(model_dir, 1.0)
     tr = _trl_trainer(model_dir, tmp_path, sampler, loss_type="dapo", num_iterations=2,
-                      epsilon=0.05, vllm_importance_sampling_mode="token_truncate")
+                      epsilon=eps, vllm_importance_sampling_mode="token_truncate",
+                      importance_sampling_level=level)
     inputs = tr._generate_and_score_completions(_trl_rows())
     assert inputs.get("old_per_token_logps") is not None  # TRL computed old logprobs once
     # SGD, not Adam: Adam divides by sqrt(v), which turns 1e-9 float noise in near-zero
@@ -247,7 +256,8 @@ def test_num_iterations_two_matches_trl_replay(model_dir: Path, tmp_path: Path) 
     model, _ = load_model(model_dir)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=2.0)
-    st = _sluice_settings({"num_iterations": 2, "epsilon": 0.05})
+    st = _sluice_settings({"num_iterations": 2, "epsilon": eps,
+                           "importance_sampling_level": level})
     metrics = optimize(model, opt, _batch(model_dir, sampler, _sluice_advantages("group")), st)
     theirs = dict(tr.model.named_parameters())
     for name, p in model.named_parameters():
