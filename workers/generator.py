@@ -104,6 +104,7 @@ class Generator:
         self.taken_over = 0
         self.lost_leases = 0
         self._swap_lock = asyncio.Lock()
+        self.announced = asyncio.Event()  # set by the control watcher on each new version
         self.lease_ms = int(cfg.generation.lease_s * 1000)
         self.leases: set[int] = set()  # cursors this process holds and still has to emit
         self.ledger = Ledger.for_role(cfg.output_path, "generator", self.wid.split("/", 1)[1],
@@ -148,6 +149,7 @@ class Generator:
         async for msg in control.watch(bus, from_id="0", stop=stop,
                                        block_ms=self.cfg.bus.block_ms):
             if isinstance(msg, WeightsPublished):
+                self.announced.set()  # the gate opens as the trainer retires its step
                 await self.apply(msg)
             elif isinstance(msg, RunFinished):
                 log.info("run finished (%s); stopping", msg.reason)
@@ -155,10 +157,16 @@ class Generator:
 
     async def admit_batch(self, bus: Bus, stop: asyncio.Event) -> list[int]:
         """Up to batch_groups cursors: first expired leases of dead generators, then new
-        admissions; waits (with backoff) while the gate is closed and nothing expired."""
+        admissions; waits while the gate is closed and nothing expired.
+
+        The gate opens when the trainer retires a step's groups, right after it announces
+        the step's weights: a closed gate is polled again 5 ms after an announcement
+        reaches the control watcher, and with a backoff up to 0.2 s otherwise (a blind
+        0.2 s backoff left generators asleep for whole trainer steps)."""
         window, want = self.cfg.trainer.window, self.cfg.generation.batch_groups
-        wait_s = 0.01
+        wait_s = 0.005
         while not stop.is_set():
+            self.announced.clear()
             cursors = await bus.retrying(
                 lambda: bus.takeover(self.wid, self.lease_ms, want), "take over", stop)
             for c in cursors:
@@ -178,9 +186,10 @@ class Generator:
                 return cursors
             self.gate_closed = True
             t0 = time.monotonic()
-            await asyncio.sleep(wait_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.announced.wait(), wait_s)
             self.gate_wait_s += time.monotonic() - t0
-            wait_s = min(wait_s * 1.5, 0.2)
+            wait_s = 0.005 if self.announced.is_set() else min(wait_s * 1.5, 0.2)
         return []
 
     def group_id(self, cursor: int) -> str:
@@ -289,9 +298,9 @@ class Generator:
     async def produce(self, bus: Bus, stop: asyncio.Event) -> None:
         """One admit -> generate -> append loop; `run` keeps ``concurrent_batches`` of them."""
         while not stop.is_set():
-            await bus.retrying(lambda: self.catch_up(bus), "catch up", stop)
             cursors = await self.admit_batch(bus, stop)
-            if cursors:
+            if cursors:  # the gate opened on a new version: decode on it, not the last one
+                await bus.retrying(lambda: self.catch_up(bus), "catch up", stop)
                 await self.generate_batch(bus, cursors)
 
     async def run(self, stop: asyncio.Event) -> None:
