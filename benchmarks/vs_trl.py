@@ -55,7 +55,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 ROLES = {"up": "up", "generate": "generator", "score": "scorer", "train": "trainer",
          "eval": "evaluator"}  # sluice subcommand -> role
-REWARD_TARGETS = (0.8, 0.9)
+EXACT_TARGETS = (0.2, 0.5)  # secondary, below --target
+REWARD_TARGETS = (0.6, 0.7, 0.8, 0.9)
 
 
 def common_args(a: argparse.Namespace) -> dict[str, Any]:
@@ -144,9 +145,9 @@ def run_sluice(a: argparse.Namespace, model: Path, out: Path, seed: int,
     late = [m for m in metrics if m["step"] >= 0.8 * last.get("step", 0)] or [{}]
     return {"evals": rows, "steps": last.get("step", 0), "profile": by_role,
             "steps_per_s": last.get("step", 0) / max(rows[-1]["t"], 1e-9) if rows else None,
-            "late": {k: statistics.fmean(m[k] for m in late if k in m)
-                     for k in ("entropy", "grad_norm", "staleness_mean")
-                     if any(k in m for m in late)},
+            "late": {k: statistics.fmean(vals) for k in ("entropy", "grad_norm",
+                                                          "staleness_mean")
+                     if (vals := [m[k] for m in late if k in m and m[k] == m[k]])},
             "filtered": last.get("filtered", 0), "dropped_stale": last.get("dropped_stale", 0)}
 
 
@@ -194,7 +195,9 @@ def arm_hits(runs: list[dict[str, Any]], thr: float, key: str) -> dict[str, list
 def report(res: dict[str, dict[str, dict[str, Any]]], target: float) -> list[str]:
     lines: list[str] = []
     base_arm = next((n for n in res if n.startswith("trl")), None)
-    for key, thr in [("exact", target)] + [("reward", t) for t in REWARD_TARGETS]:
+    rows = [("exact", target)] + [("exact", t) for t in EXACT_TARGETS if t < target] + \
+        [("reward", t) for t in REWARD_TARGETS]
+    for key, thr in rows:
         lines.append(f"held-out {'greedy exact match' if key == 'exact' else 'reward'} >= "
                      f"{thr}: median [min-max] over seeds")
         hdr = (f"  {'arm':<10} {'reached':>7} {'time s':>22} {'samples':>26} {'steps':>20}"

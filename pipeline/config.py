@@ -214,11 +214,12 @@ class ScoringConfig(_Section):
     """Reward functions (TRL signature) and weights; the total is the weighted sum."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """How advantages are scaled (TRL's scale_rewards); `batch` is per scorer read."""
-    zero_variance: Literal["filter", "train"] = "filter"
-    """A group whose rewards are all equal (advantage 0 everywhere): `filter` retires it
-    `filtered` and the trainer fills its step with other groups; `train` hands it on and
-    the trainer trains it at advantage 0, as TRL does (with `dapo` its tokens count in
-    the normaliser, so the step shrinks as groups saturate)."""
+    zero_variance: Literal["train", "filter"] = "train"
+    """A group whose rewards are all equal (advantage 0 everywhere): `train` hands it on
+    and it counts in its step at advantage 0, as in TRL (its tokens and rows are in the
+    normaliser; at beta 0 it is not forwarded, having no gradient); `filter` retires it
+    `filtered` and the trainer fills its step with other groups (fewer, slower steps
+    once most groups saturate; README: Compared with TRL)."""
     std_ddof: int = Field(1, ge=0, le=1)
     """Delta degrees of freedom of the reward std: 1 = unbiased (TRL), 0 = population."""
     std_eps: float = Field(1e-4, ge=0)

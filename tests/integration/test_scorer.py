@@ -27,10 +27,12 @@ def _valid_map() -> dict:
     return msgpack.unpackb(encode(make_group("0:3")), raw=False)
 
 
+@pytest.mark.parametrize("zero_variance", ["filter", "train"])
 def test_scorer_scores_filters_and_dead_letters_without_stopping(
-        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> None:
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path, zero_variance: str) -> None:
     cfg = load_config(None, [f"run.name={run_name}", f"run.output_dir={tmp_path}",
-                             f"bus.redis_url={redis_server.url}", "bus.block_ms=50"])
+                             f"bus.redis_url={redis_server.url}", "bus.block_ms=50",
+                             f"scoring.zero_variance={zero_variance}"])
     nan_lp = _valid_map()
     nan_lp["ro"][0]["lp"] = np.full(4, np.nan, dtype="<f4").tobytes()
     bad_schema = {**_valid_map(), "schema": 99}
@@ -40,7 +42,7 @@ def test_scorer_scores_filters_and_dead_letters_without_stopping(
         b"\xc1\xc1 not msgpack",  # garbage, no group id -> dlq, not retired
         msgpack.packb({**nan_lp, "gid": "0:3"}),  # NaN logprob -> dlq, retired dead
         msgpack.packb(bad_schema),  # unknown schema -> dlq, retired dead
-        encode(make_group("0:2", texts=("123", "123", "123", "123"))),  # equal -> filtered
+        encode(make_group("0:2", texts=("123", "123", "123", "123"))),  # equal: filter/train
     ]
 
     async def go() -> dict:
@@ -76,8 +78,12 @@ def test_scorer_scores_filters_and_dead_letters_without_stopping(
 
     snap = arun(go())
     scored = [decode_entry(f) for _, f in snap["scored_entries"]]
-    assert [s.group.group_id for s in scored] == ["0:1"]  # type: ignore[union-attr]
-    sg = scored[0]
+    flat = zero_variance == "train"  # the equal group is handed on at advantage exactly 0
+    assert sorted(s.group.group_id for s in scored) == ["0:1", *(["0:2"] if flat else [])]  # type: ignore[union-attr]
+    if flat:
+        sg2 = next(s for s in scored if s.group.group_id == "0:2")  # type: ignore[union-attr]
+        assert isinstance(sg2, ScoredGroup) and not sg2.advantages.any()
+    sg = next(s for s in scored if s.group.group_id == "0:1")  # type: ignore[union-attr]
     assert isinstance(sg, ScoredGroup)
     # copy rewards of "123","12","1","9" vs answer "123" (+eos): 1, 2/4, 1/4, 0
     np.testing.assert_allclose(sg.rewards, [1.0, 0.5, 0.25, 0.0], atol=1e-6)
@@ -89,6 +95,6 @@ def test_scorer_scores_filters_and_dead_letters_without_stopping(
     assert any("NaN" in x for x in reasons)
     assert any("schema" in x for x in reasons)
     c = snap["conservation"]
-    assert c["by_reason"] == {"trained": 0, "filtered": 1, "stale": 0, "dead": 2}
-    # 4 admitted: 1 waits in `scored`, 1 filtered, 2 dead
-    assert c["cursor"] == 4 and c["in_flight"] == 1 and c["balanced"]
+    assert c["by_reason"] == {"trained": 0, "filtered": 0 if flat else 1, "stale": 0, "dead": 2}
+    # 4 admitted: 1 (filter) or 2 (train) wait in `scored`, 1 filtered (filter), 2 dead
+    assert c["cursor"] == 4 and c["in_flight"] == (2 if flat else 1) and c["balanced"]
