@@ -215,6 +215,19 @@ def report(res: dict[str, dict[str, dict[str, Any]]], target: float) -> list[str
                          f"{span(h['samples'], '.0f'):>26} {span(h['step'], '.0f'):>20} "
                          f"{rt:>9} {rs:>11}")
         lines.append("")
+    marks = (50_000, 100_000, 150_000, 200_000, 300_000)
+    for key in ("reward", "exact"):
+        lines.append(f"held-out {key} (best so far) at equal samples generated (thousands); "
+                     "'-' = the run ended before")
+        lines.append(f"  {'arm':<10} {'seed':>4}" + "".join(f"{m // 1000:>7}" for m in marks))
+        for name, seeds in res.items():
+            for seed, r in seeds.items():
+                ev = r["evals"]
+                cells = [max((e[key] for e in ev if e["samples"] <= m), default=None)
+                         if any(e["samples"] >= m for e in ev) else None for m in marks]
+                lines.append(f"  {name:<10} {seed:>4}" + "".join(
+                    f"{'-' if c is None else format(c, '.3f'):>7}" for c in cells))
+        lines.append("")
     lines.append("per run: seed, best exact, steps, steps/s, late entropy / grad norm "
                  "(last 20% of steps), filtered, stale; CPU seconds per role (sluice) or "
                  "wall seconds per phase (TRL)")
