@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pipeline.config import TrainerConfig
+from tests.unit.test_loss import close, t
 from trainer.loss import LossConfig, grpo_loss, importance_weights
 from trainer.offpolicy import (
     cispo_per_token,
@@ -21,15 +22,6 @@ from trainer.offpolicy import (
 )
 
 LN2 = math.log(2.0)
-
-
-def t(x: list) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.float32)
-
-
-def close(a: torch.Tensor, expected: list | float, atol: float = 1e-5) -> None:
-    torch.testing.assert_close(a.detach(), torch.as_tensor(expected, dtype=a.dtype), atol=atol,
-                               rtol=1e-5)
 
 
 def beh(ratios: list[list[float]]) -> torch.Tensor:
