@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer on sluice's ``copy`` task: the baseline half of ``vs_trl.py``.
 
 Run by ``vs_trl.py`` in its own process; writes ``eval.jsonl`` rows in the evaluator's
-format (``t``, ``ts``, ``step``, ``samples``, ``exact_match``, ``reward``) and
+format (``t``, ``ts``, ``step``, ``samples``, ``pass@1``, ``reward``, ``rewards/<fn>``) and
 ``profile.json`` (seconds in generation+scoring vs the rest of each step).
 
 Same model files, prompts, held-out set, reward and evaluation code as sluice; the
@@ -28,8 +28,12 @@ from transformers import TrainerCallback
 from pipeline.model import load_model
 from workers.engines.transformers import TransformersEngine
 from workers.evaluator import evaluate
-from workers.rewards import match_reward
+from workers.rewards import load_reward, match_reward
 from workers.tasks import make_task
+
+# what sluice's evaluator uses with examples/copy.toml: pass@1 = greedy exact match
+EVAL_REWARDS = [load_reward("workers.rewards:copy_reward"),
+                load_reward("workers.rewards:exact_match", 0.0)]
 
 
 def copy_reward(prompts: list, completions: list, completion_ids: list, answer: list,
@@ -62,15 +66,16 @@ class EvalClock(TrainerCallback):
         t = self.clock()
         with torch.no_grad():
             self.eval_model.load_state_dict(model.state_dict())
-        res = asyncio.run(evaluate(self.engine, self.tok, self.heldout, self.max_new))
+        res = asyncio.run(evaluate(self.engine, self.tok, self.heldout, self.max_new,
+                                   EVAL_REWARDS))
         row = {"t": t, "ts": time.time(), "step": step, "samples": step * self.per_step, **res}
         with open(self.out / "eval.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"trl t={t:6.1f}s step={step:5d} exact={res['exact_match']:.3f} "
+        print(f"trl t={t:6.1f}s step={step:5d} exact={res['pass@1']:.3f} "
               f"reward={res['reward']:.3f}", flush=True)
         self.paused += time.perf_counter() - t_in
         self.last_eval = t
-        return res["exact_match"]
+        return res["pass@1"]
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.t0 = time.perf_counter()

@@ -77,7 +77,7 @@ def run_trl(a: argparse.Namespace, model: Path, out: Path, seed: int, threads: i
     prof = json.loads((out / "profile.json").read_text())
     evals = read_jsonl(out / "eval.jsonl")
     return {"evals": [{"t": e["t"], "samples": e["samples"], "step": e["step"],
-                       "exact": e["exact_match"], "reward": e["reward"]} for e in evals],
+                       "exact": e["pass@1"], "reward": e["reward"]} for e in evals],
             "steps": prof["steps"], "steps_per_s": prof["steps"] / max(prof["train_clock_s"], 1e-9),
             "threads": threads,
             "profile": {"generate+score": prof["generate_and_score_s"],
@@ -103,7 +103,7 @@ def run_sluice(a: argparse.Namespace, model: Path, out: Path, seed: int,
         "run.output_dir": out, "model.path": model, "run.seed": seed, "trainer.beta": a.beta,
         "trainer.lr": a.lr, "trainer.adam_betas": f"[0.9,{a.adam_beta2}]",
         "trainer.max_steps": 10**6, "run.max_time_s": a.budget_s + 60,
-        "up.stop_at_eval_exact": a.target, "up.plot": "false"}
+        "up.stop_at": f"pass@1>={a.target}", "up.plot": "false"}
     sets.update(kv.split("=", 1) for kv in a.sluice_set)
     sets.update(overrides)
     cmd = [str(ROOT / ".venv" / "bin" / "sluice"), "up", str(ROOT / "examples" / "copy.toml"),
@@ -136,7 +136,7 @@ def run_sluice(a: argparse.Namespace, model: Path, out: Path, seed: int,
                  for s, m in by_step.items()}
     t0 = evals[0]["ts"] if evals else 0.0
     rows = [{"t": e["ts"] - t0, "samples": generated.get(e["step"], 0), "step": e["step"],
-             "exact": e["exact_match"], "reward": e["reward"]}
+             "exact": e["pass@1"], "reward": e["reward"]}
             for e in evals if e["ts"] - t0 <= a.budget_s + 1e-6]
     by_role: dict[str, float] = {}
     for role, sec in cpu.values():

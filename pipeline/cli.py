@@ -29,8 +29,8 @@ def parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--fresh", action="store_true",
                    help="delete run.output_dir first instead of resuming it")
-    p.add_argument("--eval-every", type=float, default=20.0, metavar="S",
-                   help="held-out greedy evaluation at most every S seconds")
+    p.add_argument("--eval-every", type=float, default=None, metavar="S",
+                   help="held-out evaluation at most every S seconds (default eval.every_s)")
 
     for name, help_ in (("generate", "run one generator"), ("score", "run one scorer"),
                         ("train", "run the trainer (rank 0)")):
@@ -38,10 +38,11 @@ def parser() -> argparse.ArgumentParser:
         _config_args(p)
         p.add_argument("--name", default=None,
                        help="stable consumer/worker name (default: host-pid; trainer: rank)")
-    p = sub.add_parser("eval", help="follow the run and evaluate held-out greedy exact match")
+    p = sub.add_parser("eval", help="follow the run and score held-out prompts per version")
     _config_args(p)
     p.add_argument("--name", default=None)
-    p.add_argument("--every", type=float, default=20.0, metavar="S")
+    p.add_argument("--every", type=float, default=None, metavar="S",
+                   help="at most every S seconds (default eval.every_s)")
 
     p = sub.add_parser("tail", help="follow a stream, one decoded line per entry")
     p.add_argument("stream", choices=["rollouts", "scored", "control", "dlq"])

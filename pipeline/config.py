@@ -12,7 +12,16 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from pipeline.evaluation import metric_names, parse_target
 
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 """Device names a role accepts (`pipeline.devices.resolve_device`)."""
@@ -351,6 +360,29 @@ class TrainerConfig(_Section):
         return self.admission_window or (self.max_staleness + 1) * self.groups_per_step
 
 
+class EvalConfig(_Section):
+    rewards: list[RewardSpec] | None = None
+    """Reward functions (TRL signature) and weights of the held-out evaluation; unset =
+    ``scoring.rewards``."""
+    pass_threshold: float = 1.0
+    """A held-out completion *passes* when its weighted total eval reward is at least this
+    (pass@1, sampled_pass@k); 1.0 with the built-in tasks' copy_reward = exact answer."""
+    num_samples: int = Field(0, ge=0, le=1024)
+    """Sampled completions per held-out prompt (at generation.temperature, top_k, top_p) for
+    ``sampled_pass@k``; 0 = greedy decoding only."""
+    pass_at: list[int] = Field(default_factory=lambda: [1, 8])
+    """The k of the reported ``sampled_pass@k`` (those <= num_samples)."""
+    every_s: float = Field(20.0, gt=0)
+    """The evaluator evaluates the newest announced version at most this often (and the
+    initial and final weights always)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if any(k < 1 for k in self.pass_at):
+            raise ValueError("pass_at: every k must be >= 1")
+        return self
+
+
 class UpConfig(_Section):
     scorers: int = Field(2, ge=0, le=64)
     """Scorer processes `sluice up` starts."""
@@ -365,8 +397,16 @@ class UpConfig(_Section):
     job down; torchrun restarts every rank, which resume from the newest checkpoint."""
     plot: bool = True
     """Write reward_curve.png into output_dir at the end."""
-    stop_at_eval_exact: float = Field(0.0, ge=0, le=1)
-    """Stop the run once the held-out greedy exact match reaches this (0 = never)."""
+    stop_at: str = ""
+    """Stop the run once an evaluation meets ``METRIC>=VALUE`` (or ``<=``), e.g.
+    ``pass@1>=0.9`` or ``rewards/accuracy_reward>=0.5``; the metric is one the evaluator
+    reports (`pipeline.evaluation`). The summary's time to target follows it. "" = never."""
+
+    @field_validator("stop_at")
+    @classmethod
+    def _check_stop_at(cls, v: str) -> str:
+        parse_target(v)
+        return v
 
 
 class Config(_Section):
@@ -377,6 +417,7 @@ class Config(_Section):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     up: UpConfig = Field(default_factory=UpConfig)
 
     @model_validator(mode="after")
@@ -391,10 +432,23 @@ class Config(_Section):
                              f"a {self.generation.max_new_tokens}-token completion; use 0 "
                              "(one micro-batch per step) or a budget above "
                              "generation.max_new_tokens")
+        target = parse_target(self.up.stop_at)
+        if target is not None:
+            e = self.eval
+            names = [r.fn.rsplit(":", 1)[1] for r in self.eval_rewards]
+            known = metric_names(names, e.num_samples, e.pass_at)
+            if target.metric not in known:
+                raise ValueError(f"up.stop_at: the evaluator does not report {target.metric!r}"
+                                 f"; it reports {', '.join(known)}")
         if v.weight_transfer == "nccl" and self.model.lora is not None:
             raise ValueError("generation.vllm.weight_transfer: nccl carries full weights; "
                              "LoRA runs use the file store")
         return self
+
+    @property
+    def eval_rewards(self) -> list[RewardSpec]:
+        """The evaluator's reward functions: ``eval.rewards``, else ``scoring.rewards``."""
+        return self.scoring.rewards if self.eval.rewards is None else self.eval.rewards
 
     @property
     def output_path(self) -> Path:

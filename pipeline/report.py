@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import Config
+from pipeline.evaluation import first_reaching, parse_target
 
 if TYPE_CHECKING:
     from pipeline.up import Supervisor
@@ -31,6 +32,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _metrics_of(row: dict[str, Any]) -> dict[str, Any]:
+    """An eval row without its bookkeeping (version, step, times, n)."""
+    return {k: v for k, v in row.items() if k not in ("version", "step", "t", "ts", "n")}
+
+
 def summary_dict(cfg: Config, sup: Supervisor, snap: dict[str, Any],
                  reason: str) -> dict[str, Any]:
     out = cfg.output_path
@@ -40,7 +46,8 @@ def summary_dict(cfg: Config, sup: Supervisor, snap: dict[str, Any],
     completions = sup.samples[-1].n if sup.samples else 0
     first_reward = next((s.reward / s.n for s in sup.samples if s.n >= 64), None)
     reward_after, exact_after = sup.recent(256)
-    t_09 = next((e["t"] for e in evals if e["exact_match"] >= 0.9), None)
+    target = parse_target(cfg.up.stop_at)
+    hit = first_reaching(evals, target)
     stal = [m["staleness_mean"] for m in metrics]
     return {
         "reason": reason,
@@ -51,11 +58,15 @@ def summary_dict(cfg: Config, sup: Supervisor, snap: dict[str, Any],
         "sampled_reward_first": first_reward,
         "sampled_reward_last": reward_after,
         "sampled_exact_last": exact_after,
-        "eval_exact_before": evals[0]["exact_match"] if evals else None,
-        "eval_exact_after": evals[-1]["exact_match"] if len(evals) > 1 else None,
+        "eval_before": _metrics_of(evals[0]) if evals else None,
+        "eval_after": _metrics_of(evals[-1]) if len(evals) > 1 else None,
+        "eval_pass@1_before": evals[0].get("pass@1") if evals else None,
+        "eval_pass@1_after": evals[-1].get("pass@1") if len(evals) > 1 else None,
         "eval_reward_before": evals[0]["reward"] if evals else None,
         "eval_reward_after": evals[-1]["reward"] if len(evals) > 1 else None,
-        "time_to_eval_exact_0.9_s": t_09,
+        "target": str(target) if target else None,
+        "time_to_target_s": round(hit["ts"] - sup.t0, 1) if hit else None,
+        "step_at_target": hit["step"] if hit else None,
         "staleness_mean": sum(stal) / len(stal) if stal else None,
         "staleness_max": max((m["staleness_max"] for m in metrics), default=None),
         "dropped_stale": snap["conservation"]["by_reason"]["stale"],
@@ -86,8 +97,8 @@ def plot(cfg: Config, sup: Supervisor, path: Path) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label="sampled reward (scorers)")
         ax.plot([p[0] for p in pts], [p[2] for p in pts], label="sampled exact match", alpha=0.7)
     if evals:
-        ax.plot([e["t"] for e in evals], [e["exact_match"] for e in evals], "o-",
-                label="held-out greedy exact match")
+        ax.plot([e["ts"] - sup.t0 for e in evals], [e.get("pass@1") for e in evals], "o-",
+                label="held-out greedy pass@1")
     ax.set_xlabel("wall time (s)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
@@ -113,14 +124,17 @@ def summarize(cfg: Config, sup: Supervisor, snap: dict[str, Any], reason: str) -
         return "-" if x is None else format(x, spec)
 
     c = s["conservation"]
+    to_target = ("no up.stop_at" if s["target"] is None else
+                 f"{s['target']}: not reached" if s["time_to_target_s"] is None else
+                 f"{s['target']}: {s['time_to_target_s']:.0f} s (step {s['step_at_target']})")
     print(f"""
 sluice run {cfg.run.name!r} ended: {reason}
   steps                 {s['steps']} in {s['wall_s']} s
   completions scored    {s['completions_scored']} ({f(s['completions_per_s'], '.1f')}/s)
-  held-out greedy exact {f(s['eval_exact_before'])} -> {f(s['eval_exact_after'])}
+  held-out pass@1       {f(s['eval_pass@1_before'])} -> {f(s['eval_pass@1_after'])}
   held-out reward       {f(s['eval_reward_before'])} -> {f(s['eval_reward_after'])}
   sampled reward        {f(s['sampled_reward_first'])} -> {f(s['sampled_reward_last'])}
-  time to 0.9 exact     {f(s['time_to_eval_exact_0.9_s'], '.0f')} s
+  time to target        {to_target}
   staleness mean / max  {f(s['staleness_mean'], '.2f')} / {f(s['staleness_max'], '.0f')}
   retired               {c['by_reason']}
   conservation          cursor {c['cursor']} == retired {c['retired']} + in_flight \

@@ -30,6 +30,7 @@ from typing import Any
 
 from pipeline.config import Config
 from pipeline.embedded import EmbeddedRedis, free_port
+from pipeline.evaluation import parse_target
 from pipeline.monitor import snapshot
 from pipeline.runtime import connect, redis_options
 from pipeline.security import COMMAND_ROLES, env_for_role
@@ -66,7 +67,7 @@ class Supervisor:
     cfg: Config
     config_path: str
     overrides: list[str]
-    eval_every_s: float = 20.0
+    eval_every_s: float | None = None  # None: eval.every_s
     children: list[Child] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     t0: float = field(default_factory=time.time)
@@ -110,7 +111,8 @@ class Supervisor:
             mine = split_servers(vllm_urls, c.up.generators)[i] if vllm_urls else []
             extra = urls_override(mine)
             self.spawn("generate", f"generator-{i}", c.generation.threads, extra)
-        self.spawn("eval", "evaluator", 1, ["--every", str(self.eval_every_s)])
+        every = [] if self.eval_every_s is None else ["--every", str(self.eval_every_s)]
+        self.spawn("eval", "evaluator", 1, every)
 
     def wait_for_trainer(self, timeout_s: float) -> None:
         import redis as sync_redis
@@ -259,7 +261,7 @@ def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
     return {
         "step": tr.get("step", 0), "max_steps": sup.cfg.trainer.max_steps,
         "reward": reward, "exact": exact,
-        "eval_exact": ev.get("last", {}).get("exact_match"),
+        "eval": ev.get("last", {}),
         "staleness": last.get("staleness_mean"), "groups_per_s": groups / elapsed,
         "gate": "open" if c["cursor"] - c["retired"] < window else "closed",
         "balanced": c["balanced"], "version": snap["state"].get("version", 0),
@@ -285,6 +287,8 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
     last_print = 0.0
     reason = "finished"
     trainer = sup.children[0]
+    target = parse_target(cfg.up.stop_at)
+    shown = target.metric if target else "pass@1"  # the eval metric on the progress line
     with progress:
         while True:
             if stop.is_set():
@@ -306,12 +310,11 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
                 continue
             sup.record(snap)
             s = status_line(sup, snap)
-            target = cfg.up.stop_at_eval_exact
-            if target and s["eval_exact"] is not None and s["eval_exact"] >= target:
-                reason = f"held-out exact match reached {target}"
+            if target is not None and target.met(s["eval"]):
+                reason = f"stop_at {target} reached"
                 break
             text = (f"step {s['step']}/{s['max_steps']}  reward {fmt(s['reward'])}  "
-                    f"exact {fmt(s['exact'])}  eval {fmt(s['eval_exact'])}  "
+                    f"exact {fmt(s['exact'])}  eval {shown} {fmt(s['eval'].get(shown))}  "
                     f"stale {fmt(s['staleness'], '.2f')}  {s['groups_per_s']:.1f} groups/s  "
                     f"gate {s['gate']}")
             progress.update(task, completed=s["step"], s=text)
@@ -336,7 +339,7 @@ def ensure_model(cfg: Config) -> None:
 
 
 def run_up(cfg: Config, config_path: str, overrides: list[str], *, fresh: bool = False,
-           eval_every_s: float = 20.0) -> int:
+           eval_every_s: float | None = None) -> int:
     out = cfg.output_path
     if fresh and out.exists():
         shutil.rmtree(out)
@@ -377,7 +380,7 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *, fresh: bool =
                   f"{c.tail()}", file=sys.stderr)
         if reason == "interrupted":
             return 130
-        done = reason in ("finished", "max_time_s") or reason.startswith("held-out")
+        done = reason in ("finished", "max_time_s") or reason.startswith("stop_at")
         return 0 if ok and not failed and done else 1
     finally:
         sup.terminate(grace_s=5)

@@ -146,7 +146,7 @@ def up_args(config: Path, out: Path, model: Path, name: str, *sets: str) -> list
     args = [sys.executable, "-m", "pipeline.cli", "up", str(config),
             "--set", f"run.output_dir={out}", "--set", f"model.path={model}",
             "--set", f"run.name={name}", "--set", "trainer.max_steps=80",
-            "--set", "trainer.lr=1e-3", "--set", "up.stop_at_eval_exact=0"]
+            "--set", "trainer.lr=1e-3", "--set", "up.stop_at="]
     for s in sets:
         args += ["--set", s]
     return [*args, "--eval-every", "5"]

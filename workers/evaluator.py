@@ -1,4 +1,9 @@
-"""Evaluator role: greedy exact-match on held-out prompts, per published version.
+"""Evaluator role: held-out prompts scored with reward functions, per published version.
+
+Metrics (`pipeline.evaluation`): mean reward and per-function means of greedy
+completions, greedy ``pass@1`` (total reward >= ``eval.pass_threshold``), and sampled
+``sampled_pass@k`` when ``eval.num_samples`` > 0. Reward functions are ``eval.rewards``
+(default: the training rewards), called exactly as the scorer calls them.
 
 It follows ``control`` like a generator, evaluates the initial weights, then the newest
 announced version at most every ``eval_every_s`` seconds, and the final version when the
@@ -23,30 +28,57 @@ from pipeline import control
 from pipeline.bus import worker_id
 from pipeline.config import Config
 from pipeline.devices import resolve_device
+from pipeline.evaluation import summarize_scores
 from pipeline.model import load_policy
 from pipeline.runtime import Heartbeat, connect, set_threads
 from pipeline.schema import RunFinished, WeightsPublished
 from pipeline.transports import WeightError, make_transport
+from workers.engines.base import Completion, Engine, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.generator import render_prompt
-from workers.rewards import exact_match, match_reward
+from workers.rewards import RewardFn, call_reward, load_reward
 from workers.tasks import make_task
 
 log = logging.getLogger("sluice.evaluator")
 
 
-async def evaluate(engine: TransformersEngine, tokenizer: Any, prompts: list[dict[str, Any]],
-                   max_new_tokens: int) -> dict[str, float]:
-    """Greedy decode every prompt; mean exact match and mean match reward."""
-    ids = [render_prompt(tokenizer, str(p["text"])) for p in prompts]
-    outs = await engine.greedy(ids, max_new_tokens)
+async def reward_values(rewards: list[RewardFn], tokenizer: Any, prompts: list[dict[str, Any]],
+                        outs: list[Completion], timeout_s: float) -> list[list[float | None]]:
+    """``[completion][function]`` reward values, the functions called as the scorer calls
+    them (one call per function over every completion)."""
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in outs]
-    fields = {"answer": [p["answer"] for p in prompts],
-              "finish_reason": [c.finish_reason for c in outs]}
+    fields: dict[str, list[Any]] = {k: [p.get(k) for p in prompts]
+                                    for k in {k for p in prompts for k in p}}
+    fields["finish_reason"] = [c.finish_reason for c in outs]
     comp_ids = [c.token_ids.tolist() for c in outs]
-    em = exact_match(prompts, texts, comp_ids, **fields)
-    mr = match_reward(prompts, texts, comp_ids, **fields)
-    return {"exact_match": sum(em) / len(em), "reward": sum(x or 0.0 for x in mr) / len(mr)}
+    cols = await asyncio.gather(*[call_reward(rf, prompts, texts, comp_ids, fields, timeout_s)
+                                  for rf in rewards])
+    return [list(vals) for vals in zip(*cols, strict=True)]
+
+
+async def evaluate(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]],
+                   max_new_tokens: int, rewards: list[RewardFn], *,
+                   pass_threshold: float = 1.0, num_samples: int = 0,
+                   pass_at: tuple[int, ...] | list[int] = (),
+                   sampling: SamplingParams | None = None,
+                   timeout_s: float = 30.0) -> dict[str, float]:
+    """Greedy-decode every prompt (and ``num_samples`` sampled completions each with
+    ``sampling``), score them with ``rewards``, and summarise
+    (`pipeline.evaluation.summarize_scores`)."""
+    ids = [render_prompt(tokenizer, str(p["text"])) for p in prompts]
+    greedy = [g[0] for g in await engine.generate(
+        ids, 1, SamplingParams(max_new_tokens, greedy=True))]
+    scores = await reward_values(rewards, tokenizer, prompts, greedy, timeout_s)
+    sampled: list[list[list[float | None]]] = []
+    if num_samples > 0:
+        params = sampling or SamplingParams(max_new_tokens)
+        groups = await engine.generate(ids, num_samples, params)
+        flat = await reward_values(rewards, tokenizer,
+                                   [p for p in prompts for _ in range(num_samples)],
+                                   [c for g in groups for c in g], timeout_s)
+        sampled = [flat[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+    return summarize_scores([r.name for r in rewards], [r.weight for r in rewards], scores,
+                            pass_threshold, sampled, pass_at)
 
 
 class Evaluator:
@@ -61,20 +93,28 @@ class Evaluator:
             cfg, device=resolve_device(cfg.generation.device, "generation.device"))
         self.engine = TransformersEngine(self.model, self.tokenizer, seed=cfg.run.seed)
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
+        self.rewards = [load_reward(r.fn, r.weight) for r in cfg.eval_rewards]
+        g = cfg.generation
+        self.sampling = SamplingParams(g.max_new_tokens, temperature=g.temperature,
+                                       top_k=g.top_k, top_p=g.top_p)
         self.path = cfg.output_path / "eval.jsonl"
         self.t0 = time.time()
         self.last: dict[str, Any] = {}
 
     async def run_once(self, version: int, step: int) -> None:
+        e = self.cfg.eval
         res = await evaluate(self.engine, self.tokenizer, self.prompts,
-                             self.cfg.generation.max_new_tokens)
+                             self.cfg.generation.max_new_tokens, self.rewards,
+                             pass_threshold=e.pass_threshold, num_samples=e.num_samples,
+                             pass_at=e.pass_at, sampling=self.sampling,
+                             timeout_s=self.cfg.scoring.reward_timeout_s)
         now = time.time()
         self.last = {"version": version, "step": step, "t": now - self.t0, "ts": now,
                      "n": len(self.prompts), **res}
         with open(self.path, "a") as f:
             f.write(json.dumps(self.last) + "\n")
-        log.info("eval v%d: exact_match %.3f reward %.3f", version, res["exact_match"],
-                 res["reward"])
+        log.info("eval v%d: %s", version,
+                 "  ".join(f"{k} {v:.3f}" for k, v in res.items()))
 
     async def load(self, msg: WeightsPublished) -> bool:
         """Swap in an announced version (verified; the engine is idle, so it applies now).
@@ -116,6 +156,6 @@ class Evaluator:
             await bus.close()
 
 
-async def main(cfg: Config, stop: asyncio.Event, every_s: float = 20.0) -> None:
+async def main(cfg: Config, stop: asyncio.Event, every_s: float | None = None) -> None:
     set_threads(1)
-    await Evaluator(cfg, every_s).run(stop)
+    await Evaluator(cfg, cfg.eval.every_s if every_s is None else every_s).run(stop)
