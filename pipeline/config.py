@@ -57,7 +57,7 @@ class BusConfig(_Section):
     credentials_file: str = ""
     """TOML file of per-role Redis users and passwords, as `sluice acl` writes it (refused
     if group/world readable); empty = ``SLUICE_REDIS_CREDENTIALS_FILE``, else credentials
-    from the environment (README: Security). Never put a password in redis_url."""
+    from the environment (docs/security.md). Never put a password in redis_url."""
     tls_ca_file: str = ""
     """rediss:// only: PEM CA bundle the server's certificate must chain to (empty = the
     system's CAs); the hostname is always checked."""
@@ -170,7 +170,7 @@ class VLLMConfig(_Section):
     """`file`: servers reload each announced version from the weight store (shared disk).
     `nccl`: GPU only, untested here; trainer rank 0 broadcasts each version to the servers
     before announcing it, and generators reload from the store only a server that missed
-    it (see README)."""
+    it (docs/vllm.md)."""
     nccl_master_address: str = "127.0.0.1"
     """`nccl`: the trainer's address as the servers reach it (NCCL rendezvous)."""
     nccl_master_port: int = Field(29517, ge=1, le=65535)
@@ -228,7 +228,7 @@ class ScoringConfig(_Section):
     and it counts in its step at advantage 0, as in TRL (its tokens and rows are in the
     normaliser; at beta 0 it is not forwarded, having no gradient); `filter` retires it
     `filtered` and the trainer fills its step with other groups (fewer, slower steps
-    once most groups saturate; README: Compared with TRL)."""
+    once most groups saturate; docs/compared-with-trl.md)."""
     std_ddof: int = Field(1, ge=0, le=1)
     """Delta degrees of freedom of the reward std: 1 = unbiased (TRL), 0 = population."""
     std_eps: float = Field(1e-4, ge=0)
@@ -390,8 +390,7 @@ class UpConfig(_Section):
     """Generator processes `sluice up` starts."""
     trainer_ranks: int = Field(1, ge=1, le=64)
     """Data-parallel trainer ranks: > 1 runs the trainer as one ``torchrun`` job of this
-    many processes (FSDP2; gloo on CPU, nccl on GPU; README: Training on GPUs and many
-    ranks)."""
+    many processes (FSDP2; gloo on CPU, nccl on GPU; docs/gpu.md)."""
     trainer_restarts: int = Field(3, ge=0, le=100)
     """With trainer_ranks > 1: torchrun's ``--max-restarts``. A rank that dies takes the
     job down; torchrun restarts every rank, which resume from the newest checkpoint."""
@@ -540,8 +539,8 @@ def _toml_value(v: Any) -> str:
 
 
 def reference_rows() -> list[str]:
-    """The README's configuration table (one markdown row per key, from the docstrings);
-    a unit test keeps the README equal to it."""
+    """The configuration table of docs/configuration.md (one markdown row per key, from
+    the docstrings); a unit test keeps the file equal to it."""
     rows: list[str] = []
 
     def walk(prefix: str, node: BaseModel) -> None:

@@ -75,7 +75,7 @@ def tls_files(cfg: Config) -> TLSFiles:
 
 def connect(cfg: Config, role: str | None = None) -> Bus:
     """The run's bus, logged in as ``role`` (default: this process's role, `run_role`):
-    each role gets its own ACL user when credentials are configured (README: Security)."""
+    each role gets its own ACL user when credentials are configured (docs/security.md)."""
     return Bus.connect(cfg.redis_url, cfg.run.name, reconnect_max_s=cfg.bus.reconnect_max_s,
                        role=role or _process_role, credentials_file=cfg.bus.credentials_file,
                        tls=tls_files(cfg))

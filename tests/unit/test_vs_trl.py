@@ -18,7 +18,7 @@ Set-up notes (the batch is built so both sides see identical tensors):
 * TRL applies the IS correction only with vLLM; the test sets ``use_vllm`` after
   construction, which is exactly the switch TRL's loss code reads;
 * every case names the IS mode: TRL's default is ``sequence_mask``, sluice's is
-  ``token_truncate`` (see the README's "compared with TRL").
+  ``token_truncate`` (docs/compared-with-trl.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One place builds the command line and environment, used by `sluice up`
 (``generation.vllm.launch``), the real-vLLM tests and ``benchmarks/engines.py``, so the
-flags the README documents are the flags that run.
+flags docs/vllm.md documents are the flags that run.
 
 Flags every server gets and why:
 - ``--logprobs-mode processed_logprobs``: logprobs of the distribution tokens are drawn
