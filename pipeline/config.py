@@ -375,6 +375,14 @@ class EvalConfig(_Section):
     every_s: float = Field(20.0, gt=0)
     """The evaluator evaluates the newest announced version at most this often (and the
     initial and final weights always)."""
+    engine: Literal["auto", "transformers", "vllm"] = "auto"
+    """Where held-out prompts are decoded: `auto` = the run's engine (generation.engine);
+    `transformers` in the evaluator's process; `vllm` on vLLM servers of the evaluator's
+    own (`vllm_urls`, or one more server `sluice up` launches beside the generators'): an
+    evaluated version is swapped into them, so they are never the generators' servers."""
+    vllm_urls: list[str] = Field(default_factory=list)
+    """Base URLs of the vLLM servers the evaluator uses with engine `vllm` (empty: `sluice
+    up` launches one when generation.vllm.launch > 0)."""
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
@@ -431,6 +439,10 @@ class Config(_Section):
                              f"a {self.generation.max_new_tokens}-token completion; use 0 "
                              "(one micro-batch per step) or a budget above "
                              "generation.max_new_tokens")
+        if self.eval_engine == "vllm" and not self.eval.vllm_urls and not (
+                self.generation.engine == "vllm" and v.launch > 0):
+            raise ValueError("eval.vllm_urls: the evaluator's vllm engine needs servers of its "
+                             "own (or generation.vllm.launch > 0 for `sluice up` to start one)")
         target = parse_target(self.up.stop_at)
         if target is not None:
             e = self.eval
@@ -443,6 +455,11 @@ class Config(_Section):
             raise ValueError("generation.vllm.weight_transfer: nccl carries full weights; "
                              "LoRA runs use the file store")
         return self
+
+    @property
+    def eval_engine(self) -> Literal["transformers", "vllm"]:
+        """The evaluator's engine, `auto` resolved to the run's."""
+        return self.generation.engine if self.eval.engine == "auto" else self.eval.engine
 
     @property
     def eval_rewards(self) -> list[RewardSpec]:

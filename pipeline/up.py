@@ -98,8 +98,8 @@ class Supervisor:
                                     start_new_session=True)
         self.children.append(Child(role, name, proc, log, spawned))
 
-    def start_roles(self, trainer_ready_s: float = 300.0, vllm_urls: list[str] | None = None
-                    ) -> None:
+    def start_roles(self, trainer_ready_s: float = 300.0, vllm_urls: list[str] | None = None,
+                    eval_urls: list[str] | None = None) -> None:
         """Trainer first; the others once it heartbeats (it has then created the groups,
         announced its weights and cleared an old end-of-run marker)."""
         c = self.cfg
@@ -112,6 +112,8 @@ class Supervisor:
             extra = urls_override(mine)
             self.spawn("generate", f"generator-{i}", c.generation.threads, extra)
         every = [] if self.eval_every_s is None else ["--every", str(self.eval_every_s)]
+        if eval_urls:
+            every += ["--set", f"eval.vllm_urls={json.dumps(eval_urls)}"]
         self.spawn("eval", "evaluator", 1, every)
 
     def wait_for_trainer(self, timeout_s: float) -> None:
@@ -225,9 +227,18 @@ def split_servers(urls: list[str], generators: int) -> list[list[str]]:
 NCCL_ARGS = ["--weight-transfer-config", '{"backend": "nccl"}']
 
 
+def launches_eval_server(cfg: Config) -> bool:
+    """`sluice up` starts one more vLLM server, the evaluator's own, when the evaluator
+    runs on vLLM without servers named (``eval.vllm_urls``) and the generators' servers
+    are launched too."""
+    return (cfg.eval_engine == "vllm" and not cfg.eval.vllm_urls
+            and cfg.generation.engine == "vllm" and cfg.generation.vllm.launch > 0)
+
+
 def vllm_specs(cfg: Config) -> list[ServerSpec]:
-    """One `ServerSpec` per server `sluice up` launches: on a CPU machine server i binds
-    core i; on a GPU machine it gets GPU i."""
+    """One `ServerSpec` per server `sluice up` launches (the generators' ``launch``, then
+    the evaluator's own if `launches_eval_server`): on a CPU machine server i binds core
+    i; on a GPU machine it gets GPU i."""
     import torch
 
     v = cfg.generation.vllm
@@ -246,7 +257,7 @@ def vllm_specs(cfg: Config) -> list[ServerSpec]:
                        cuda_device=i % gpus if gpus else None,
                        extra_args=[*(NCCL_ARGS if v.weight_transfer == "nccl" else []),
                                    *v.extra_args])
-            for i in range(v.launch)]
+            for i in range(v.launch + launches_eval_server(cfg))]
 
 
 def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
@@ -357,11 +368,13 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *, fresh: bool =
     try:
         urls: list[str] = []
         if cfg.generation.engine == "vllm" and cfg.generation.vllm.launch:
-            print(f"starting {cfg.generation.vllm.launch} vLLM server(s); logs in {out}/vllm",
-                  file=sys.stderr)
+            extra = " and 1 for the evaluator" if launches_eval_server(cfg) else ""
+            print(f"starting {cfg.generation.vllm.launch} vLLM server(s){extra}; logs in "
+                  f"{out}/vllm", file=sys.stderr)
             servers = launch(vllm_specs(cfg), out / "vllm", cfg.generation.vllm.start_timeout_s)
             urls = [s.url for s in servers]
-        sup.start_roles(vllm_urls=urls)
+        n = cfg.generation.vllm.launch
+        sup.start_roles(vllm_urls=urls[:n], eval_urls=urls[n:])
         reason = loop.run_until_complete(supervise(sup, stop))
         if reason == "finished":
             # every role exits on RunFinished; give them time to flush, then insist

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from pipeline import control
@@ -29,7 +30,7 @@ from pipeline.bus import worker_id
 from pipeline.config import Config
 from pipeline.devices import resolve_device
 from pipeline.evaluation import summarize_scores
-from pipeline.model import load_policy
+from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, set_threads
 from pipeline.schema import RunFinished, WeightsPublished
 from pipeline.transports import WeightError, make_transport
@@ -81,6 +82,21 @@ async def evaluate(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]]
                             pass_threshold, sampled, pass_at)
 
 
+def eval_vllm_engine(cfg: Config) -> Engine:
+    """A `VLLMEngine` over the evaluator's own servers (``eval.vllm_urls``); LoRA adapters
+    are named ``<run>-eval-v<N>`` so they can never be taken for a generator's."""
+    from workers.engines.vllm import VLLMEngine
+
+    v = cfg.generation.vllm
+    lora = cfg.model.lora is not None
+    return VLLMEngine(cfg.eval.vllm_urls, str(Path(cfg.model.path).resolve()),
+                      seed=cfg.run.seed, timeout_s=v.request_timeout_s,
+                      max_inflight=v.max_inflight, request_attempts=v.request_attempts,
+                      backoff_max_s=v.backoff_max_s, metrics_interval_s=v.metrics_interval_s,
+                      lora_prefix=f"{cfg.run.name}-eval" if lora else "",
+                      keep_adapters=1 if lora else 0)
+
+
 class Evaluator:
     def __init__(self, cfg: Config, every_s: float):
         self.cfg = cfg
@@ -89,9 +105,14 @@ class Evaluator:
         task = make_task(cfg.task.name, seed=cfg.run.seed, num_prompts=cfg.task.num_prompts,
                          path=cfg.task.path or None)
         self.prompts = task.heldout(cfg.task.heldout)
-        self.model, self.tokenizer = load_policy(
-            cfg, device=resolve_device(cfg.generation.device, "generation.device"))
-        self.engine = TransformersEngine(self.model, self.tokenizer, seed=cfg.run.seed)
+        self.engine: Engine
+        if cfg.eval_engine == "vllm":
+            self.tokenizer = load_tokenizer(cfg.model.path)
+            self.engine = eval_vllm_engine(cfg)
+        else:
+            model, self.tokenizer = load_policy(
+                cfg, device=resolve_device(cfg.generation.device, "generation.device"))
+            self.engine = TransformersEngine(model, self.tokenizer, seed=cfg.run.seed)
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
         self.rewards = [load_reward(r.fn, r.weight) for r in cfg.eval_rewards]
         g = cfg.generation
@@ -128,6 +149,9 @@ class Evaluator:
             return False
 
     async def run(self, stop: asyncio.Event) -> None:
+        await self.engine.start()
+        log.info("evaluator on engine %s: %d held-out prompts, rewards %s",
+                 self.cfg.eval_engine, len(self.prompts), [r.name for r in self.rewards])
         bus = connect(self.cfg)
         hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s,
                        lambda: {"version": self.engine.version, "last": self.last})
@@ -154,6 +178,7 @@ class Evaluator:
         finally:
             await hb.stop()
             await bus.close()
+            await self.engine.close()
 
 
 async def main(cfg: Config, stop: asyncio.Event, every_s: float | None = None) -> None:

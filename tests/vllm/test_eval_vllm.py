@@ -1,0 +1,41 @@
+"""The evaluator's scoring on a real vLLM server equals it in-process, for a swapped-in
+version (the server is left at model_a's weights, as tests/vllm/test_contract.py does)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pipeline.config import load_config
+from pipeline.model import load_model
+from tests.vllm.conftest import VLLMServer
+from workers.engines.transformers import TransformersEngine
+from workers.evaluator import eval_vllm_engine, evaluate
+from workers.rewards import load_reward
+from workers.tasks import make_task
+
+REWARDS = [load_reward("workers.rewards:copy_reward"),
+           load_reward("workers.rewards:exact_match", 0.0)]
+
+
+def test_eval_on_vllm_equals_eval_in_process_for_a_new_version(
+        vllm_server: VLLMServer) -> None:
+    cfg = load_config(None, [f"model.path={vllm_server.model_dir}", "eval.engine=vllm",
+                             f"eval.vllm_urls=[\"{vllm_server.url}\"]"])
+    prompts = make_task("copy", seed=0, num_prompts=64).heldout(48)
+    other, tok = load_model(vllm_server.other_model_dir)
+
+    async def on_vllm() -> dict[str, float]:
+        engine = eval_vllm_engine(cfg)
+        await engine.start()
+        try:
+            assert await engine.load_weights(vllm_server.other_model_dir, 7)
+            return await evaluate(engine, tok, prompts, 8, REWARDS)
+        finally:
+            await engine.load_weights(vllm_server.model_dir, 10_000)  # leave model_a
+            await engine.close()
+
+    got = asyncio.run(on_vllm())
+    want = asyncio.run(evaluate(TransformersEngine(other, tok, seed=0), tok, prompts, 8,
+                                REWARDS))
+    assert got == want
+    assert 0.0 < got["reward"] < 1.0  # a real score, not an empty or saturated one
