@@ -39,6 +39,14 @@ class RunConfig(_Section):
     ledger: bool = True
     """Every role appends its delivery events to ``output_dir/ledger/*.jsonl`` (about
     1 KB per group in all) so `sluice audit` can check the run's whole history."""
+    report_to: list[Literal["trackio", "wandb", "tensorboard", "mlflow"]] = Field(
+        default_factory=list)
+    """Experiment trackers that get the trainer's metrics (TRL's names), the evaluator's
+    `eval/…` results and the config (`pip install 'sluice[trackio]'` etc.; README: Track
+    your run). Empty = metrics.jsonl and eval.jsonl only."""
+    tracking_project: str = Field("sluice", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    """Tracker project (wandb project, mlflow experiment); the tracker runs are `run.name`
+    (trainer) and `run.name`-eval (evaluator), grouped by `run.name`."""
 
 
 class BusConfig(_Section):

@@ -26,6 +26,7 @@ from pipeline.devices import resolve_device
 from pipeline.model import load_policy
 from pipeline.runtime import Heartbeat, connect, set_threads
 from pipeline.schema import RunFinished, WeightsPublished
+from pipeline.tracking import Tracker, eval_metrics, open_tracker
 from pipeline.transports import WeightError, make_transport
 from workers.engines.transformers import TransformersEngine
 from workers.generator import render_prompt
@@ -64,6 +65,7 @@ class Evaluator:
         self.path = cfg.output_path / "eval.jsonl"
         self.t0 = time.time()
         self.last: dict[str, Any] = {}
+        self.tracker = Tracker()  # run.report_to, opened by `run`
 
     async def run_once(self, version: int, step: int) -> None:
         res = await evaluate(self.engine, self.tokenizer, self.prompts,
@@ -73,6 +75,7 @@ class Evaluator:
                      "n": len(self.prompts), **res}
         with open(self.path, "a") as f:
             f.write(json.dumps(self.last) + "\n")
+        self.tracker.log(eval_metrics(self.last), step=step)  # the trainer step; never raises
         log.info("eval v%d: exact_match %.3f reward %.3f", version, res["exact_match"],
                  res["reward"])
 
@@ -93,6 +96,8 @@ class Evaluator:
                        lambda: {"version": self.engine.version, "last": self.last})
         hb.start()
         try:
+            self.tracker = await asyncio.to_thread(open_tracker, self.cfg, "evaluator",
+                                                   self.path.exists())
             await self.run_once(0, 0)  # the initial weights, before any training
             pending: WeightsPublished | None = None
             last_eval = time.monotonic()
@@ -114,6 +119,7 @@ class Evaluator:
         finally:
             await hb.stop()
             await bus.close()
+            await asyncio.to_thread(self.tracker.finish)
 
 
 async def main(cfg: Config, stop: asyncio.Event, every_s: float = 20.0) -> None:
