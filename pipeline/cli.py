@@ -130,6 +130,10 @@ def _check_role_inputs(cfg: Config, cmd: str) -> None:
         from pipeline.devices import resolve_device
 
         resolve_device(cfg.generation.device, "generation.device")
+    if cmd in ("train", "eval", "up"):
+        from pipeline.tracking import check_report_to
+
+        check_report_to(cfg)  # run.report_to: a tracker library missing fails now
     if cmd == "score":
         from workers.rewards import load_reward
 

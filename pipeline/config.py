@@ -48,6 +48,14 @@ class RunConfig(_Section):
     ledger: bool = True
     """Every role appends its delivery events to ``output_dir/ledger/*.jsonl`` (about
     1 KB per group in all) so `sluice audit` can check the run's whole history."""
+    report_to: list[Literal["trackio", "wandb", "tensorboard", "mlflow"]] = Field(
+        default_factory=list)
+    """Experiment trackers that get the trainer's metrics (TRL's names), the evaluator's
+    `eval/…` results and the config (`pip install 'sluice[trackio]'` etc.; README: Track
+    your run). Empty = metrics.jsonl and eval.jsonl only."""
+    tracking_project: str = Field("sluice", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    """Tracker project (wandb project, mlflow experiment); the tracker runs are `run.name`
+    (trainer) and `run.name`-eval (evaluator), grouped by `run.name`."""
 
 
 class BusConfig(_Section):
@@ -376,10 +384,11 @@ class EvalConfig(_Section):
     """The evaluator evaluates the newest announced version at most this often (and the
     initial and final weights always)."""
     engine: Literal["auto", "transformers", "vllm"] = "auto"
-    """Where held-out prompts are decoded: `auto` = the run's engine (generation.engine);
-    `transformers` in the evaluator's process; `vllm` on vLLM servers of the evaluator's
-    own (`vllm_urls`, or one more server `sluice up` launches beside the generators'): an
-    evaluated version is swapped into them, so they are never the generators' servers."""
+    """Where held-out prompts are decoded: `transformers` in the evaluator's process;
+    `vllm` on vLLM servers of the evaluator's own (`vllm_urls`, or one more server `sluice
+    up` launches beside the generators'): an evaluated version is swapped into them, so
+    they are never the generators' servers. `auto` = `vllm` when the run generates with
+    vLLM and such servers exist (named, or launched), else `transformers`."""
     vllm_urls: list[str] = Field(default_factory=list)
     """Base URLs of the vLLM servers the evaluator uses with engine `vllm` (empty: `sluice
     up` launches one when generation.vllm.launch > 0)."""
@@ -458,8 +467,11 @@ class Config(_Section):
 
     @property
     def eval_engine(self) -> Literal["transformers", "vllm"]:
-        """The evaluator's engine, `auto` resolved to the run's."""
-        return self.generation.engine if self.eval.engine == "auto" else self.eval.engine
+        """The evaluator's engine, `auto` resolved (see ``eval.engine``)."""
+        if self.eval.engine != "auto":
+            return self.eval.engine
+        own = self.eval.vllm_urls or self.generation.vllm.launch > 0
+        return "vllm" if self.generation.engine == "vllm" and own else "transformers"
 
     @property
     def eval_rewards(self) -> list[RewardSpec]:

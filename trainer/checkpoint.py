@@ -48,6 +48,7 @@ class TrainerState:
     version: int = 0
     trained_ids: list[str] = field(default_factory=list)
     run_state: dict[str, int] = field(default_factory=dict)
+    tokens_seen: int = 0  # prompt + completion tokens trained so far (TRL's num_tokens)
 
 
 class Checkpointer:

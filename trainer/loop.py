@@ -56,6 +56,7 @@ from pipeline.keys import TRAINERS_GROUP
 from pipeline.ledger import Ledger
 from pipeline.runtime import Heartbeat, connect, limits, set_threads
 from pipeline.schema import ScoredGroup
+from pipeline.tracking import Tracker, open_tracker, trainer_metrics
 from pipeline.transports import make_transport
 from trainer import setup
 from trainer.batch import Batch, build_batch
@@ -64,6 +65,7 @@ from trainer.distributed import IDLE, STEP, STOP, full_state
 from trainer.lock import TrainerLock
 from trainer.policy import compute_loss, optimize
 from trainer.reader import Reader
+from trainer.stats import rollout_stats, step_tokens
 
 log = logging.getLogger("sluice.trainer")
 
@@ -105,6 +107,7 @@ class Trainer:
         self.nccl: Any = self.store if self.store.name == "nccl" else None  # start_nccl
         self.reader = Reader(self)
         self.trained_ids_kept = TRAINED_IDS_KEPT
+        self.tracker = Tracker()  # run.report_to, opened by rank 0 once it has resumed
 
     @property
     def ref_model(self) -> torch.nn.Module | None:
@@ -226,6 +229,7 @@ class Trainer:
     def log_metrics(self, row: dict[str, Any]) -> None:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        self.tracker.log(trainer_metrics(row), step=row["step"])  # never raises
 
     def checkpoint(self) -> None:
         """Every rank (they gather); rank 0 writes."""
@@ -256,6 +260,8 @@ class Trainer:
                                "group")
             Path(self.cfg.output_path).mkdir(parents=True, exist_ok=True)
             await self.resume(bus)
+            self.tracker = await asyncio.to_thread(open_tracker, self.cfg, "trainer",
+                                                   self.state.step > 0)
             if self.state.step < self.tc.max_steps:
                 await control.clear_finished(bus)
             hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info)
@@ -273,6 +279,7 @@ class Trainer:
             await lock.release()
             await bus.close()
             self.ledger.close()
+            await asyncio.to_thread(self.tracker.finish)
             if self.nccl is not None:
                 await self.nccl.close()
             self.ranks.close(together=clean)
@@ -349,6 +356,7 @@ class Trainer:
         now = time.time()
         rewards = np.concatenate([g.rewards for g in groups])
         n = len(rewards)
+        self.state.tokens_seen += step_tokens(groups)
         row: dict[str, Any] = {
             "step": self.state.step, "version": self.state.version, "t": now - self.t_start,
             "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
@@ -357,6 +365,7 @@ class Trainer:
             "samples_per_s": n / max(now - t0, 1e-9),
             "tokens_per_s": metrics["tokens"] / max(now - t0, 1e-9),
             "dropped_stale": self.counts["stale"], "duplicates": self.counts["duplicates"],
+            "num_tokens": self.state.tokens_seen, **rollout_stats(groups),
             **{f"reward/{k}": float(np.nanmean(np.concatenate(
                 [g.reward_parts[k] for g in groups]))) for k in groups[0].reward_parts},
             **metrics}

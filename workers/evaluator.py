@@ -33,6 +33,7 @@ from pipeline.evaluation import summarize_scores
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, set_threads
 from pipeline.schema import RunFinished, WeightsPublished
+from pipeline.tracking import Tracker, eval_metrics, open_tracker
 from pipeline.transports import WeightError, make_transport
 from workers.engines.base import Completion, Engine, SamplingParams
 from workers.engines.transformers import TransformersEngine
@@ -118,9 +119,11 @@ class Evaluator:
         g = cfg.generation
         self.sampling = SamplingParams(g.max_new_tokens, temperature=g.temperature,
                                        top_k=g.top_k, top_p=g.top_p)
+        cfg.output_path.mkdir(parents=True, exist_ok=True)  # started alone, before any role
         self.path = cfg.output_path / "eval.jsonl"
         self.t0 = time.time()
         self.last: dict[str, Any] = {}
+        self.tracker = Tracker()  # run.report_to, opened by `run`
 
     async def run_once(self, version: int, step: int) -> None:
         e = self.cfg.eval
@@ -134,6 +137,7 @@ class Evaluator:
                      "n": len(self.prompts), **res}
         with open(self.path, "a") as f:
             f.write(json.dumps(self.last) + "\n")
+        self.tracker.log(eval_metrics(self.last), step=step)  # the trainer step; never raises
         log.info("eval v%d: %s", version,
                  "  ".join(f"{k} {v:.3f}" for k, v in res.items()))
 
@@ -157,6 +161,8 @@ class Evaluator:
                        lambda: {"version": self.engine.version, "last": self.last})
         hb.start()
         try:
+            self.tracker = await asyncio.to_thread(open_tracker, self.cfg, "evaluator",
+                                                   self.path.exists())
             await self.run_once(0, 0)  # the initial weights, before any training
             pending: WeightsPublished | None = None
             last_eval = time.monotonic()
@@ -179,6 +185,7 @@ class Evaluator:
             await hb.stop()
             await bus.close()
             await self.engine.close()
+            await asyncio.to_thread(self.tracker.finish)
 
 
 async def main(cfg: Config, stop: asyncio.Event, every_s: float | None = None) -> None:

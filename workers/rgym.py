@@ -43,7 +43,6 @@ class ReasoningGymTask:
     """Training and held-out prompts of one reasoning-gym dataset (see module docstring)."""
 
     name = "reasoning_gym"
-    default_rewards = ["workers.rgym:reasoning_gym_score"]
 
     def __init__(self, dataset: str, *, num_prompts: int, seed: int,
                  dataset_args: dict[str, Any] | None = None) -> None:
@@ -60,6 +59,7 @@ class ReasoningGymTask:
             raise ValueError(f"task.dataset_args for {dataset!r}: {e}") from e
         self.dataset = dataset
         self.num_prompts = num_prompts
+        self.default_rewards = ["workers.rgym:reasoning_gym_score"]
         self._train_texts: set[str] | None = None
 
     def __len__(self) -> int:

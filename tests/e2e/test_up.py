@@ -100,3 +100,31 @@ def test_sluice_up_with_two_trainer_ranks_learns_and_passes_the_audit(tmp_path: 
     assert "ledger audit" in proc.stderr and "640 trained" in proc.stderr, proc.stderr[-2000:]
     log = (out / "logs" / "trainer-0.log").read_text()
     assert "trainer job of 2 ranks" in log, log[-3000:]
+
+
+def test_sluice_up_reports_trainer_and_eval_metrics_to_trackio(tmp_path: Path) -> None:
+    """`sluice up` with run.report_to = ["trackio"] (offline, local SQLite): every trainer
+    step lands in the run's trackio store under TRL's names, on the trainer-step axis,
+    and the evaluator's results in `<run.name>-eval`."""
+    import sqlite3
+
+    pytest.importorskip("trackio")
+    out = tmp_path / "run"
+    trackio_dir = tmp_path / "trackio"
+    args = up_args(ROOT / "examples" / "copy.toml", out, tmp_path / "model", "tracked",
+                   "trainer.max_steps=20", 'run.report_to=["trackio"]',
+                   "run.tracking_project=e2e", "run.max_time_s=240", "up.plot=false")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRACKIO_DIR": str(trackio_dir),
+           "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=360)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
+    con = sqlite3.connect(trackio_dir / "e2e.db")
+    rows = con.execute("SELECT run_name, step, metrics FROM metrics ORDER BY id").fetchall()
+    con.close()
+    train = [(s, json.loads(m)) for r, s, m in rows if r == "tracked"]
+    evals = [(s, json.loads(m)) for r, s, m in rows if r == "tracked-eval"]
+    assert [s for s, _ in train] == list(range(1, 21)), [s for s, _ in train]
+    assert all({"reward", "rewards/copy_reward/mean", "learning_rate", "num_tokens",
+                "sluice/staleness_max"} <= m.keys() for _, m in train)
+    assert evals and evals[0][0] == 0 and "eval/pass@1" in evals[0][1], evals

@@ -324,7 +324,7 @@ def test_evaluator_follows_lora_announcements(base_dir: Path, tmp_path: Path) ->
     msg = lora.write(src, version=3, step=3)
     ev = Evaluator(cfg, every_s=0.0)
     assert asyncio.run(ev.load(msg)) and ev.engine.version == 3
-    a, b = adapter_state(ev.model), adapter_state(src)
+    a, b = adapter_state(ev.engine.model), adapter_state(src)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not asyncio.run(ev.load(dataclasses.replace(msg, version=4, sha256="0" * 64)))
     assert ev.engine.version == 3

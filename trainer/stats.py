@@ -1,0 +1,35 @@
+"""Per-step statistics of the groups a step trained, under TRL's ``GRPOTrainer`` names.
+
+Pure functions over `ScoredGroup`s, computed on rank 0 from the whole step (every rank's
+share), so a multi-rank job reports the same figures as one process. As in TRL, a
+completion's length counts every completion token including the EOS, and a completion
+is *clipped* when it hit ``max_new_tokens`` (finish_reason ``length``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.schema import ScoredGroup
+
+
+def step_tokens(groups: list[ScoredGroup]) -> int:
+    """Prompt + completion tokens of the step, each completion with its own copy of the
+    prompt (TRL's ``num_input_tokens_seen`` increment, summed into ``num_tokens``)."""
+    return sum(len(g.group.prompt_ids) * len(g.group.rollouts)
+               + sum(len(r.completion_ids) for r in g.group.rollouts) for g in groups)
+
+
+def rollout_stats(groups: list[ScoredGroup]) -> dict[str, float]:
+    """Completion lengths, the clipped fraction and the fraction of groups whose rewards
+    are all equal (zero std: advantage 0 everywhere), over the step's groups."""
+    lengths = np.array([len(r.completion_ids) for g in groups for r in g.group.rollouts])
+    clipped = [r.finish_reason == "length" for g in groups for r in g.group.rollouts]
+    flat = [bool(np.isclose(np.std(g.rewards), 0.0)) for g in groups]
+    if not len(lengths):
+        return {}
+    return {"completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(np.mean(clipped)),
+            "frac_reward_zero_std": float(np.mean(flat))}
