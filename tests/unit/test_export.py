@@ -68,10 +68,12 @@ def lora_trained(model_dir: Path, seed: int) -> torch.nn.Module:
 
 
 def make_run(tmp: Path, *, tied: bool = False, lora: bool = False, versions: int = 2,
-             run_json: bool = True) -> tuple[Config, Path, dict[int, torch.nn.Module]]:
-    """A run directory with ``versions`` published versions (v1.., step 10*v) of
-    perturbed weights; returns (config, base folder, {version: the published model})."""
-    model_dir = init_tiny_model(tmp / "base", seed=0, tie_word_embeddings=tied)
+             run_json: bool = True, base: Path | None = None
+             ) -> tuple[Config, Path, dict[int, torch.nn.Module]]:
+    """A run directory on ``base`` (default: a new tiny model) with ``versions``
+    published versions (v1.., step 10*v) of perturbed weights; returns (config, base
+    folder, {version: the published model})."""
+    model_dir = base or init_tiny_model(tmp / "base", seed=0, tie_word_embeddings=tied)
     cfg = make_config(tmp / "run", model_dir, LORA if lora else None)
     if run_json:
         write_run_json(cfg, model_dir)
