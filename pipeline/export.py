@@ -133,8 +133,10 @@ def read_base(run_dir: Path, config: str | Path | None = None) -> Base:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ExportError(f"{path}: unreadable run description: {e!r}") from None
-    # an adapter names the hub id the run started from (portable), else the local folder
-    hub = bool(_HUB_ID.match(source)) and not Path(source).exists()
+    # an adapter names the hub id the run started from (portable), else the local folder;
+    # a hub download has a revision (a folder has none) and lives in a snapshots/ dir
+    hub = bool(_HUB_ID.match(source)) and (model.get("revision") is not None
+                                           or "snapshots" in local_dir.parts)
     ref = source if hub else str(local_dir.resolve())
     return _checked(Base(local_dir.resolve(), ref, dtype, lora), str(path))
 
@@ -322,9 +324,10 @@ def check_out(out: Path, *, force: bool, protected: list[Path]) -> None:
                 raise ExportError(f"--out {out} holds {p}; refusing to replace it")
 
 
-def write_folder(model: torch.nn.Module, base: Base, out: Path, *, force: bool) -> dict[str, int]:
-    """``save_pretrained`` (+ tokenizer files, generation config) into a temporary
-    sibling of ``out``, then rename it into place. Returns {file: bytes}."""
+def write_folder(model: torch.nn.Module, base: Base, out: Path) -> dict[str, int]:
+    """``save_pretrained`` (+ the base's tokenizer files, byte for byte, and generation
+    config) into a temporary sibling of ``out``, then rename it into place, replacing
+    what `check_out` allowed. Returns {file: bytes}."""
     from transformers import GenerationConfig
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -364,7 +367,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, version: int | None = No
     check_out(dest, force=force, protected=[run, base.local_dir])
     source = choose_source(run, version, log)
     model, what = build(base, source, merge_lora)
-    files = write_folder(model, base, dest, force=force)
+    files = write_folder(model, base, dest)
     return Exported(dest.resolve(), source, what, files)
 
 

@@ -182,6 +182,26 @@ def test_lora_run_exports_its_adapter_or_the_merged_weights(tmp_path: Path) -> N
     torch.testing.assert_close(logits(merged), want, rtol=0, atol=1e-4)
 
 
+def test_lora_checkpoint_exports_and_a_hub_base_is_named_by_its_id(tmp_path: Path) -> None:
+    cfg, model_dir, _ = make_run(tmp_path, lora=True, versions=0)
+    model = lora_trained(model_dir, 5)
+    Checkpointer(cfg.output_path / "checkpoints").save(
+        model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
+        TrainerState(step=5, version=2))
+    done = export_run(cfg.output_path, tmp_path / "merged", merge_lora=True)
+    assert (done.source.kind, done.source.step) == ("checkpoint", 5)
+    torch.testing.assert_close(logits(load_export(tmp_path / "merged")), logits(model),
+                               rtol=0, atol=1e-4)
+
+    run_json = cfg.output_path / "run.json"  # as if model.path had been a hub id
+    doc = json.loads(run_json.read_text())
+    doc["model"].update(source="someone/tiny-char", revision="0" * 40)
+    run_json.write_text(json.dumps(doc))
+    export_run(cfg.output_path, tmp_path / "adapter")
+    acfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert acfg["base_model_name_or_path"] == "someone/tiny-char"
+
+
 def test_lora_settings_that_disagree_with_the_published_adapter_are_refused(
         tmp_path: Path) -> None:
     cfg, model_dir, _ = make_run(tmp_path, lora=True, versions=1)
