@@ -64,6 +64,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drained", action="store_true",
                    help="also require that no admitted group is still in flight")
 
+    p = sub.add_parser("export", help="write a run's weights as a Hugging Face model folder")
+    p.add_argument("run_dir", help="the run's output_dir (holds weights/, checkpoints/)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
+    p.add_argument("--version", type=int, default=None, metavar="N",
+                   help="published version N (default: newest verified, else newest "
+                   "checkpoint)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="LoRA runs: merge the adapter into full weights")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO",
+                   help="then upload the folder to this Hugging Face model repo")
+    p.add_argument("--config", default=None, help="run TOML, for runs without run.json")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+
     p = sub.add_parser("init-model", help="build the tiny char-level Qwen2 model and tokenizer")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
@@ -247,6 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.cmd == "audit":
             return _audit(args)
+        if args.cmd == "export":
+            from pipeline.export import main as export_main
+
+            return export_main(args)
         cfg = _load(args)
         if args.cmd == "acl":
             return _acl(cfg, args)
