@@ -21,6 +21,12 @@ def _config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="override a config key, e.g. --set trainer.lr=3e-4 (repeatable)")
 
 
+def _allow_change_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume run.output_dir although this config differs from the one "
+                   "saved in its run.json (this one then becomes the run's)")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sluice", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -28,7 +34,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="run every role on this machine (embedded Redis)")
     _config_args(p)
     p.add_argument("--fresh", action="store_true",
-                   help="delete run.output_dir first instead of resuming it")
+                   help="delete run.output_dir first instead of resuming it (refused for a "
+                   "non-empty directory that is not a sluice run)")
+    _allow_change_arg(p)
     p.add_argument("--eval-every", type=float, default=None, metavar="S",
                    help="held-out evaluation at most every S seconds (default eval.every_s)")
 
@@ -38,9 +46,11 @@ def parser() -> argparse.ArgumentParser:
         _config_args(p)
         p.add_argument("--name", default=None,
                        help="stable consumer/worker name (default: host-pid; trainer: rank)")
+        _allow_change_arg(p)
     p = sub.add_parser("eval", help="follow the run and score held-out prompts per version")
     _config_args(p)
     p.add_argument("--name", default=None)
+    _allow_change_arg(p)
     p.add_argument("--every", type=float, default=None, metavar="S",
                    help="at most every S seconds (default eval.every_s)")
 
@@ -121,16 +131,9 @@ def _acl(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _check_role_inputs(cfg: Config, cmd: str) -> None:
-    """What a role loads first, checked before it starts: a wrong ``model.path`` or reward
-    import path fails here naming the key, not as a traceback from inside the role.
-    (`sluice up` builds a missing model itself when ``model.init`` says so.)"""
-    from pathlib import Path
-
-    model = Path(cfg.model.path)
-    if cmd in ("generate", "train", "eval") and not (model / "config.json").is_file():
-        raise ConfigError(f"model.path: no model at {model.resolve()} (no config.json); "
-                          "point it at a local model directory, or build the tiny one with "
-                          "`sluice init-model DIR`")
+    """What a role loads first, checked before it starts: a wrong device or reward import
+    path fails here naming the key, not as a traceback from inside the role. (A missing
+    ``model.path`` fails in `_pin`, which resolves it.)"""
     if cmd in ("train", "up"):
         from pipeline.devices import resolve_device
 
@@ -155,6 +158,17 @@ def _check_role_inputs(cfg: Config, cmd: str) -> None:
                 load_reward(spec.fn, spec.weight)
             except ValueError as e:
                 raise ConfigError(f"scoring.rewards.{i}.fn: {e}") from None
+
+
+def _pin(cfg: Config, args: argparse.Namespace) -> Config:
+    """The config a role runs with: checked against run.json in ``run.output_dir`` and
+    with ``model.path`` the run's pinned folder (`pipeline.rundir`). `sluice up` pins
+    after ``--fresh`` and building the tiny model (`pipeline.up.prepare`); the scorer
+    loads no model, so it only checks an existing pin and never creates one."""
+    from pipeline.rundir import pinned_config
+
+    return pinned_config(cfg, allow_config_change=args.allow_config_change,
+                         resolve=args.cmd != "score")
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -269,14 +283,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _acl(cfg, args)
         _check_credentials(cfg, args.cmd)
         _check_role_inputs(cfg, args.cmd)
+        if args.cmd == "up":
+            from pipeline.up import prepare
+
+            cfg = prepare(cfg, fresh=args.fresh, allow_config_change=args.allow_config_change)
+        elif args.cmd in ("generate", "score", "eval", "train"):
+            cfg = _pin(cfg, args)
     except (ConfigError, ValueError, FileExistsError) as e:
         print(f"sluice: {e}", file=sys.stderr)
         return 2
     if args.cmd == "up":
         from pipeline.up import run_up
 
-        return run_up(cfg, args.config, args.overrides, fresh=args.fresh,
-                      eval_every_s=args.eval_every)
+        return run_up(cfg, args.config, args.overrides, eval_every_s=args.eval_every)
     if args.cmd == "status":
         return _status(cfg, args.json, args.watch)
     if args.cmd == "tail":

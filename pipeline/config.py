@@ -115,9 +115,16 @@ class LoraConfig(_Section):
 
 class ModelConfig(_Section):
     path: str = "runs/models/tiny-char"
-    """Local model directory (HF format). Nothing is downloaded."""
+    """A local model folder (HF format) or a hub id ``org/name``, fetched through the
+    Hugging Face cache (HF_HOME, HF_HUB_OFFLINE honoured). A path that exists, is absolute
+    or starts with ./ is a folder. Resolved once per run and pinned in
+    output_dir/run.json: every role and resume loads that snapshot."""
+    revision: str = Field("main", pattern=r"^[A-Za-z0-9_./-]+$", max_length=256)
+    """Branch, tag or commit of a hub id (ignored for a folder); the commit it points to
+    when the run starts is pinned, so a moved branch does not change a resumed run."""
     init: Literal["", "tiny-char-qwen2"] = "tiny-char-qwen2"
-    """If `path` does not exist yet, `sluice up` builds this model there ('' = never)."""
+    """If the folder `path` does not exist yet, `sluice up` builds this model there
+    ('' = never; never for a hub id)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype of every role's copy of the model. The trainer keeps its parameters
     and optimizer state in float32 and computes in this dtype under autocast unless
@@ -530,7 +537,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     """Read a TOML file (or defaults when ``path`` is None), apply overrides, validate.
 
     Relative ``run.output_dir`` and ``model.path`` are relative to the current directory
-    of each process; `sluice up` starts every role in its own directory, so they agree.
+    of each process; `sluice up` starts every role in its own directory, so they agree
+    (and every role loads the model folder pinned in run.json, `pipeline.rundir`).
     """
     data: dict[str, Any] = {}
     source = "defaults"

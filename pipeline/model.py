@@ -1,14 +1,19 @@
 """Model/tokenizer construction and loading shared by workers and the trainer.
 
-Everything here is built locally (no hub downloads): a 76-symbol character tokenizer and a
-tiny random-init Qwen2 causal LM. Workers and the trainer must agree byte-for-byte on
-parameter names and shapes, so both go through this module: `load_policy` is the one way
-every role builds the policy, LoRA-wrapped (peft) when ``[model.lora]`` is set, so the
-trainer's adapter keys are exactly those the engines load.
+The tiny model is built locally: a 76-symbol character tokenizer and a random-init
+Qwen2 causal LM. Any other causal LM transformers loads (``AutoModelForCausalLM``) and
+its tokenizer (``AutoTokenizer``: fast or slow, so code here and downstream uses only
+`PreTrainedTokenizerBase` methods) load from a folder; a hub id is first resolved to its
+cached snapshot folder (`pipeline.hub`; roles get the run's pinned folder,
+`pipeline.rundir`). Workers and the trainer must agree byte-for-byte on parameter names
+and shapes, so both go through this module: `load_policy` is the one way every role
+builds the policy, LoRA-wrapped (peft) when ``[model.lora]`` is set, so the trainer's
+adapter keys are exactly those the engines load.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import string
@@ -22,7 +27,9 @@ from safetensors.torch import load_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     GenerationConfig,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -156,26 +163,57 @@ def init_tiny_model(
 
 def load_model(
     path: str | Path, *, dtype: str = "float32", device: str | torch.device = "cpu",
-    attn_implementation: str = "sdpa",
-) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
-    """Load (model in eval mode, tokenizer) from a local directory; never touches the network.
+    attn_implementation: str = "sdpa", revision: str = "main",
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """Load (model in eval mode, tokenizer) from a folder or a hub id.
 
-    ``attn_implementation`` is transformers' (``sdpa``, ``eager``, ``flash_attention_2``,
-    or a `kernels` hub repo such as ``kernels-community/flash-attn2`` on CUDA)."""
+    A hub id is resolved through the Hugging Face cache first (`pipeline.hub`: the only
+    step that may download; offline it reads the cache), at ``revision``; transformers
+    itself then only ever reads a local folder. ``attn_implementation`` is transformers'
+    (``sdpa``, ``eager``, ``flash_attention_2``, or a `kernels` hub repo such as
+    ``kernels-community/flash-attn2`` on CUDA)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    folder = _local_folder(path, revision)
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=DTYPES[dtype], local_files_only=True,
+        folder, dtype=DTYPES[dtype], local_files_only=True,
         attn_implementation=attn_implementation,
     )
     model.to(device)
     model.eval()
-    return model, load_tokenizer(path)
+    return model, load_tokenizer(folder)
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """The tokenizer saved beside a local model (no network)."""
-    return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""``tokenizer_class`` values that say "tokenizer.json is the whole tokenizer"."""
+
+
+def load_tokenizer(path: str | Path, revision: str = "main") -> PreTrainedTokenizerBase:
+    """The tokenizer saved with a model (folder or hub id), via ``AutoTokenizer`` so a
+    slow (Python) tokenizer loads as well as a fast one.
+
+    Except a tokenizer saved as a generic one (`GENERIC_TOKENIZERS`, with a
+    tokenizer.json): that is loaded verbatim from its tokenizer.json. transformers 5's
+    AutoTokenizer swaps in the model type's own class for some types (qwen2 among them,
+    to fix Hub repos that declare the wrong class), and that class rebuilds the
+    pre-tokenizer: the tiny model's character tokenizer would then split differently from
+    the one that was saved. A real checkpoint names its class (``Qwen2Tokenizer``) and
+    goes through AutoTokenizer unchanged."""
+    folder = Path(_local_folder(path, revision))
+    try:
+        declared = json.loads((folder / "tokenizer_config.json").read_text()).get(
+            "tokenizer_class")
+    except (OSError, ValueError):
+        declared = None
+    if declared in GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def _local_folder(path: str | Path, revision: str) -> str:
+    from pipeline.hub import resolve_model
+
+    return resolve_model(str(path), revision).local_dir
 
 
 def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -220,12 +258,14 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, *, seed: int | None = N
 
 
 def load_policy(cfg: Config, *, device: str | torch.device = "cpu", dtype: str | None = None
-                ) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+                ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """(policy in eval mode, tokenizer): the base model of ``cfg.model``, wrapped with a
     LoRA adapter (seeded by ``run.seed``) when ``cfg.model.lora`` is set. ``dtype``
-    overrides ``model.dtype`` (the trainer's float32 master weights)."""
+    overrides ``model.dtype`` (the trainer's float32 master weights). Roles started by
+    `sluice` see ``model.path`` as the run's pinned folder already."""
     model, tok = load_model(cfg.model.path, dtype=dtype or cfg.model.dtype, device=device,
-                            attn_implementation=cfg.model.attn_implementation)
+                            attn_implementation=cfg.model.attn_implementation,
+                            revision=cfg.model.revision)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg.model.lora, seed=cfg.run.seed)
     return model, tok

@@ -238,8 +238,12 @@ def launches_eval_server(cfg: Config) -> bool:
 def vllm_specs(cfg: Config) -> list[ServerSpec]:
     """One `ServerSpec` per server `sluice up` launches (the generators' ``launch``, then
     the evaluator's own if `launches_eval_server`): on a CPU machine server i binds core
-    i; on a GPU machine it gets GPU i."""
+    i; on a GPU machine it gets GPU i. Every server loads the local folder of the model
+    (the run's pinned snapshot when ``cfg`` comes from `prepare`; a hub id is resolved
+    through the cache), the same files the trainer and generators load."""
     import torch
+
+    from pipeline.hub import resolve_model
 
     v = cfg.generation.vllm
     python = Path(v.python).absolute()
@@ -247,7 +251,8 @@ def vllm_specs(cfg: Config) -> list[ServerSpec]:
         python = Path(__file__).resolve().parents[1] / v.python  # relative to the checkout
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     lora = cfg.model.lora
-    return [ServerSpec(python=str(python), model=str(Path(cfg.model.path).resolve()),
+    model = resolve_model(cfg.model.path, cfg.model.revision).local_dir
+    return [ServerSpec(python=str(python), model=model,
                        dtype=cfg.model.dtype, max_model_len=v.max_model_len,
                        kv_cache_memory_bytes=v.kv_cache_memory_bytes,
                        gpu_memory_utilization=v.gpu_memory_utilization,
@@ -338,24 +343,44 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
 
 
 def ensure_model(cfg: Config) -> None:
+    """Build the tiny model in the folder ``model.path`` when it is missing and
+    ``model.init`` names one; a hub id is never built (`pipeline.hub` fetches it), and a
+    missing folder without ``model.init`` is left to `pipeline.hub.resolve_model`, whose
+    error names ``model.path``."""
+    from pipeline.hub import is_hub_id
+
     path = Path(cfg.model.path)
-    if (path / "config.json").exists():
+    if is_hub_id(cfg.model.path) or (path / "config.json").exists() or not cfg.model.init:
         return
-    if not cfg.model.init:
-        raise SystemExit(f"model.path {path} does not exist and model.init is empty")
     from pipeline.model import init_tiny_model
 
     print(f"building the tiny model {cfg.model.init} in {path}", file=sys.stderr)
     init_tiny_model(path, seed=cfg.run.seed)
 
 
-def run_up(cfg: Config, config_path: str, overrides: list[str], *, fresh: bool = False,
-           eval_every_s: float | None = None) -> int:
+def prepare(cfg: Config, *, fresh: bool = False, allow_config_change: bool = False
+            ) -> Config:
+    """Before any role starts: ``--fresh`` (only on a sluice run directory or an empty
+    one, `pipeline.rundir.check_fresh`), the tiny model if asked for, and the run's pin.
+    Returns the config the supervisor runs with (``model.path`` = the pinned folder); the
+    roles it starts read the same pin from run.json, which exists from here on, and
+    `sluice up` records changed allowed keys there (the whole run moves to them)."""
+    from pipeline.rundir import check_fresh, pinned_config
+
     out = cfg.output_path
-    if fresh and out.exists():
-        shutil.rmtree(out)
+    if fresh:
+        check_fresh(out)
+        if out.exists():
+            shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     ensure_model(cfg)
+    return pinned_config(cfg, allow_config_change=allow_config_change, record_allowed=True)
+
+
+def run_up(cfg: Config, config_path: str, overrides: list[str], *,
+           eval_every_s: float | None = None) -> int:
+    """Run every role until the run ends; ``cfg`` is the one `prepare` returned."""
+    out = cfg.output_path
     redis = None
     servers: list[LocalServer] = []
     if not cfg.bus.redis_url:

@@ -57,8 +57,12 @@ def run_header(run_name: str, output_dir: Path, redis_url: str, **bus: Any) -> s
 
 def spawn_role(role: str, config: Path, *overrides: str, name: str | None = None,
                log: Path | None = None) -> subprocess.Popen[bytes]:
-    """Start ``sluice ROLE`` as a real OS process (cwd = repo root, so tests import)."""
-    args = [sys.executable, "-m", "pipeline.cli", role, str(config)]
+    """Start ``sluice ROLE`` as a real OS process (cwd = repo root, so tests import).
+
+    With ``--allow-config-change``: these tests start the roles of one run directory with
+    deliberately different configs (a hanging reward, longer completions), which a real
+    run would refuse (`pipeline.rundir`); the pin of the model is unaffected."""
+    args = [sys.executable, "-m", "pipeline.cli", role, str(config), "--allow-config-change"]
     for o in overrides:
         args += ["--set", o]
     if name:
@@ -272,3 +276,78 @@ def value_at(d: Any, path: tuple[Any, ...]) -> Any:
     for p in path:
         d = d[p]
     return d
+
+
+# ------------------------------------------------------------ models beyond the tiny one
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_bpe_model(out: Path, *, seed: int = 0) -> Path:
+    """A tiny Qwen2 with tied embeddings and a real byte-level BPE tokenizer trained here
+    (`tokenizers`, a few hundred strings of the copy task) with a ChatML chat template:
+    the shape of a real instruct model (Qwen2.5-0.5B-Instruct) at a test's size."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    rng = np.random.default_rng(seed)
+    texts = [f"Copy {n}= {n}" for n in rng.integers(0, 10**6, 400)]
+    texts += [f"Say it back: {w} and {w}" for w in ("apple", "banana", "cherry", "digits")]
+    tk = Tokenizer(models.BPE(unk_token=None))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", clean_up_tokenization_spaces=False)
+    tok.chat_template = CHATML
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=None, dtype="float32")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def build_slow_tokenizer_model(out: Path, *, seed: int = 0) -> Path:
+    """A tiny Llama whose tokenizer is a slow (pure Python, `PythonBackend`) one: ByT5's
+    byte tokenizer, which has no fast counterpart and no vocabulary file."""
+    import torch
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = ByT5Tokenizer(extra_ids=0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, bos_token_id=None, dtype="float32")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def add_hub_snapshot(hf_home: Path, repo_id: str, model_dir: Path, sha: str,
+                     ref: str = "main") -> Path:
+    """Put ``model_dir`` into a Hugging Face cache as commit ``sha`` of ``repo_id`` and
+    point ``refs/<ref>`` at it: the layout huggingface_hub writes when it downloads
+    (``hub/models--org--name/{refs/<ref>, snapshots/<sha>/…}``; real downloads store the
+    files under ``blobs/`` and symlink them, which readers do not depend on)."""
+    import shutil
+
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snap = repo / "snapshots" / sha
+    shutil.copytree(model_dir, snap)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / ref).write_text(sha)
+    return snap

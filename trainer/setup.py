@@ -85,7 +85,8 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
     ref = None
     if tc.beta > 0 and cfg.model.lora is None:  # frozen reference: loaded once, never synced
         ref_model, _ = load_model(cfg.model.path, dtype=master, device=device,
-                                  attn_implementation=cfg.model.attn_implementation)
+                                  attn_implementation=cfg.model.attn_implementation,
+                                  revision=cfg.model.revision)
         ref_model.requires_grad_(False)
         ref = CompletionLogprobs(ref_model, temperature, tc.logprob_chunk_tokens)
     if ranks.distributed:

@@ -86,7 +86,7 @@ class Generator:
         self.wid = worker_id("generator", name)
         self.task = make_task(cfg.task.name, seed=cfg.run.seed, num_prompts=cfg.task.num_prompts,
                               path=cfg.task.path or None)
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.revision)
         # distinct, reproducible sampling streams per generator name
         seed = (cfg.run.seed * 1_000_003 + zlib.crc32(self.wid.encode())) % 2**31
         self.engine: Engine = make_engine(cfg, self.tokenizer, seed)

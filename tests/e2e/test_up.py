@@ -128,3 +128,29 @@ def test_sluice_up_reports_trainer_and_eval_metrics_to_trackio(tmp_path: Path) -
     assert all({"reward", "rewards/copy_reward/mean", "learning_rate", "num_tokens",
                 "sluice/staleness_max"} <= m.keys() for _, m in train)
     assert evals and evals[0][0] == 0 and "eval/pass@1" in evals[0][1], evals
+
+
+def test_sluice_up_on_a_hub_id_pins_the_snapshot_every_role_loads(tmp_path: Path) -> None:
+    """`model.path = org/name` through a real HF cache layout, offline: a BPE tokenizer with
+    a chat template and tied embeddings; `sluice up` pins the commit in run.json and every
+    role (trainer, generator, scorers, evaluator) runs on it to the end."""
+    from tests.helpers import add_hub_snapshot, build_bpe_model
+
+    sha = "c" * 40
+    hf_home = tmp_path / "hf"
+    add_hub_snapshot(hf_home, "tiny-org/tiny-bpe", build_bpe_model(tmp_path / "bpe"), sha)
+    out = tmp_path / "run"
+    args = up_args(ROOT / "examples" / "copy.toml", out, Path("tiny-org/tiny-bpe"), "hub",
+                   "trainer.max_steps=3", "trainer.groups_per_step=2", "up.scorers=1",
+                   "task.heldout=8", "up.plot=false", "run.max_time_s=240")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(hf_home),
+           "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reason"] == "finished" and summary["steps"] == 3, summary
+    pin = json.loads((out / "run.json").read_text())["model"]
+    assert pin["source"] == "tiny-org/tiny-bpe" and pin["revision"] == sha
+    assert pin["local_dir"].endswith(f"snapshots/{sha}")
