@@ -107,9 +107,12 @@ def _acl(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _check_role_inputs(cfg: Config, cmd: str) -> None:
-    """What a role loads first, checked before it starts: a wrong ``model.path`` or reward
-    import path fails here naming the key, not as a traceback from inside the role.
-    (`sluice up` builds a missing model itself when ``model.init`` says so.)"""
+    """What a role loads first, checked before it starts: a wrong ``model.path``, task
+    data (dataset, split, columns, prompts over ``task.max_prompt_tokens``) or a reward
+    function that cannot be imported or called (a probe call on a held-out prompt) fails
+    here naming the key, not as a traceback from inside a role that started.
+    (`sluice up` builds a missing model itself when ``model.init`` says so; the task is
+    then checked without the tokenizer.)"""
     from pathlib import Path
 
     model = Path(cfg.model.path)
@@ -129,14 +132,16 @@ def _check_role_inputs(cfg: Config, cmd: str) -> None:
         from pipeline.devices import resolve_device
 
         resolve_device(cfg.generation.device, "generation.device")
-    if cmd == "score":
-        from workers.rewards import load_reward
+    task = None
+    if cmd in ("generate", "eval", "up") and (model / "config.json").is_file():
+        from pipeline.model import load_tokenizer
+        from workers.tasks import task_from_config
 
-        for i, spec in enumerate(cfg.scoring.rewards):
-            try:
-                load_reward(spec.fn, spec.weight)
-            except ValueError as e:
-                raise ConfigError(f"scoring.rewards.{i}.fn: {e}") from None
+        task = task_from_config(cfg, load_tokenizer(cfg.model.path))  # data, columns, lengths
+    if cmd in ("score", "up"):
+        from workers.scorer import check_rewards
+
+        check_rewards(cfg, task)  # each reward function called once on a held-out prompt
 
 
 def _load(args: argparse.Namespace) -> Config:

@@ -28,25 +28,26 @@ from pipeline.runtime import Heartbeat, connect, set_threads
 from pipeline.schema import RunFinished, WeightsPublished
 from pipeline.transports import WeightError, make_transport
 from workers.engines.transformers import TransformersEngine
-from workers.generator import render_prompt
+from workers.prompts import render_prompt
 from workers.rewards import exact_match, match_reward
-from workers.tasks import make_task
+from workers.tasks import task_from_config
 
 log = logging.getLogger("sluice.evaluator")
 
 
 async def evaluate(engine: TransformersEngine, tokenizer: Any, prompts: list[dict[str, Any]],
-                   max_new_tokens: int) -> dict[str, float]:
-    """Greedy decode every prompt; mean exact match and mean match reward."""
-    ids = [render_prompt(tokenizer, str(p["text"])) for p in prompts]
+                   max_new_tokens: int, system_prompt: str = "") -> dict[str, float]:
+    """Greedy decode every prompt; mean exact match and mean match reward (a prompt
+    without an answer counts 0)."""
+    ids = [render_prompt(tokenizer, p["text"], system_prompt) for p in prompts]
     outs = await engine.greedy(ids, max_new_tokens)
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in outs]
-    fields = {"answer": [p["answer"] for p in prompts],
+    fields = {"answer": [p.get("answer") for p in prompts],
               "finish_reason": [c.finish_reason for c in outs]}
-    comp_ids = [c.token_ids.tolist() for c in outs]
-    em = exact_match(prompts, texts, comp_ids, **fields)
-    mr = match_reward(prompts, texts, comp_ids, **fields)
-    return {"exact_match": sum(em) / len(em), "reward": sum(x or 0.0 for x in mr) / len(mr)}
+    em = exact_match(completions=texts, **fields)
+    mr = match_reward(completions=texts, **fields)
+    return {"exact_match": sum(x or 0.0 for x in em) / len(em),
+            "reward": sum(x or 0.0 for x in mr) / len(mr)}
 
 
 class Evaluator:
@@ -54,11 +55,9 @@ class Evaluator:
         self.cfg = cfg
         self.every_s = every_s
         self.wid = worker_id("evaluator")
-        task = make_task(cfg.task.name, seed=cfg.run.seed, num_prompts=cfg.task.num_prompts,
-                         path=cfg.task.path or None)
-        self.prompts = task.heldout(cfg.task.heldout)
         self.model, self.tokenizer = load_policy(
             cfg, device=resolve_device(cfg.generation.device, "generation.device"))
+        self.prompts = task_from_config(cfg, self.tokenizer).heldout(cfg.task.heldout)
         self.engine = TransformersEngine(self.model, self.tokenizer, seed=cfg.run.seed)
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
         self.path = cfg.output_path / "eval.jsonl"
@@ -67,7 +66,7 @@ class Evaluator:
 
     async def run_once(self, version: int, step: int) -> None:
         res = await evaluate(self.engine, self.tokenizer, self.prompts,
-                             self.cfg.generation.max_new_tokens)
+                             self.cfg.generation.max_new_tokens, self.cfg.task.system_prompt)
         now = time.time()
         self.last = {"version": version, "step": step, "t": now - self.t0, "ts": now,
                      "n": len(self.prompts), **res}
