@@ -41,8 +41,7 @@ def copy_reward(prompts: list, completions: list, completion_ids: list, answer: 
     """sluice's copy reward under TRL's call convention (eos kept in completion_ids)."""
     eos = copy_reward.eos_id  # type: ignore[attr-defined]
     fin = ["stop" if ids and ids[-1] == eos else "length" for ids in completion_ids]
-    return match_reward([{"answer": a} for a in answer], completions, completion_ids,
-                        answer=answer, finish_reason=fin)
+    return match_reward(completions=completions, answer=answer, finish_reason=fin)
 
 
 class EvalClock(TrainerCallback):

@@ -11,6 +11,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pipeline.config import Config, ConfigError, load_config
 
@@ -131,9 +132,14 @@ def _acl(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _check_role_inputs(cfg: Config, cmd: str) -> None:
-    """What a role loads first, checked before it starts: a wrong device or reward import
-    path fails here naming the key, not as a traceback from inside the role. (A missing
-    ``model.path`` fails in `_pin`, which resolves it.)"""
+    """What a role loads first, checked before it starts (and before `sluice up` touches
+    the run directory): a wrong device, a tracker that is not installed, task data
+    (dataset, split, columns, prompts over ``task.max_prompt_tokens``) or a reward function
+    that cannot be imported or called (a probe call on a held-out prompt) fails here naming
+    the key, not as a traceback from inside a role that started. (A missing or unknown
+    ``model.path`` fails when it is resolved and pinned; `sluice up` builds a missing tiny
+    model itself when ``model.init`` says so, and the task is then checked without the
+    tokenizer.)"""
     if cmd in ("train", "up"):
         from pipeline.devices import resolve_device
 
@@ -150,14 +156,33 @@ def _check_role_inputs(cfg: Config, cmd: str) -> None:
         from pipeline.tracking import check_report_to
 
         check_report_to(cfg)  # run.report_to: a tracker library missing fails now
-    if cmd == "score":
-        from workers.rewards import load_reward
+    if cmd == "eval" and cfg.eval_engine == "vllm" and not cfg.eval.vllm_urls:
+        raise ConfigError("eval.vllm_urls: `sluice eval` on vLLM needs servers of its own "
+                          "(the generators' would be swapped to the evaluated version)")
+    task = None
+    if cmd in ("generate", "eval", "up"):
+        from workers.tasks import task_from_config
 
-        for i, spec in enumerate(cfg.scoring.rewards):
-            try:
-                load_reward(spec.fn, spec.weight)
-            except ValueError as e:
-                raise ConfigError(f"scoring.rewards.{i}.fn: {e}") from None
+        task = task_from_config(cfg, _tokenizer_if_present(cfg))  # data, columns, lengths
+    if cmd in ("score", "up"):
+        from workers.scorer import check_rewards
+
+        check_rewards(cfg, task)  # each reward function called once on a held-out prompt
+
+
+def _tokenizer_if_present(cfg: Config) -> Any:
+    """The model's tokenizer when the model exists (a folder with config.json, or a hub
+    id: resolved through the cache, an offline miss fails naming ``model.path``); None
+    when `sluice up` is about to build the tiny model."""
+    from pathlib import Path
+
+    from pipeline.hub import is_hub_id
+    from pipeline.model import load_tokenizer
+
+    path = cfg.model.path
+    if is_hub_id(path) or (Path(path) / "config.json").is_file():
+        return load_tokenizer(path, cfg.model.revision)
+    return None
 
 
 def _pin(cfg: Config, args: argparse.Namespace) -> Config:

@@ -6,6 +6,9 @@ Invariants:
   stream) on anything else: wrong types, ragged lengths, non-finite floats, token ids
   outside the vocabulary, an empty prompt (the trainer predicts the first completion
   token from it), or a payload above the size limit. Nothing is unpickled.
+- A group's ``prompt`` dict (what reward functions get) holds JSON-like values: scalars,
+  None, lists and string-keyed maps, at most 16 levels deep; its ``text`` is a string or
+  a conversation (messages with a str ``role`` and a str or list ``content``).
 - ``decode(encode(m)) == m`` for every valid message.
 A stream entry holds one field, ``m``, with the encoded message.
 """
@@ -205,14 +208,53 @@ def _candidates(m: dict[str, Any], ids: np.ndarray, where: str,
     return cand, ncand
 
 
+_MAX_PROMPT_DEPTH = 16
+
+
+def _prompt_value(x: Any, where: str, depth: int = 0) -> None:
+    """A prompt column: a scalar, None, or lists / string-keyed maps of these."""
+    if depth > _MAX_PROMPT_DEPTH:
+        raise DecodeError(f"{where}: nested deeper than {_MAX_PROMPT_DEPTH} levels")
+    if x is None or isinstance(x, str | int | bool):
+        return
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            raise DecodeError(f"{where}: not finite")
+        return
+    if isinstance(x, list):
+        for i, v in enumerate(x):
+            _prompt_value(v, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if not isinstance(k, str):
+                raise DecodeError(f"{where}: map keys must be str")
+            _prompt_value(v, f"{where}.{k}", depth + 1)
+        return
+    raise DecodeError(f"{where}: {type(x).__name__} is not a prompt value")
+
+
 def _decode_prompt(v: Any, where: str) -> dict[str, Any]:
+    """The prompt dict: string keys; ``text`` (if present) a string or a conversation
+    (non-empty list of maps with a str ``role`` and a str-or-list ``content``); other
+    values JSON-like (`_prompt_value`)."""
     if not isinstance(v, dict):
         raise DecodeError(f"{where}.prompt: expected a map")
     for k, x in v.items():
-        if not isinstance(k, str) or not isinstance(x, str | int | float | bool):
-            raise DecodeError(f"{where}.prompt: keys must be str and values scalars")
-        if isinstance(x, float) and not math.isfinite(x):
-            raise DecodeError(f"{where}.prompt.{k}: not finite")
+        if not isinstance(k, str):
+            raise DecodeError(f"{where}.prompt: keys must be str")
+        _prompt_value(x, f"{where}.prompt.{k}")
+    text = v.get("text", "")
+    if isinstance(text, list):
+        if not text:
+            raise DecodeError(f"{where}.prompt.text: empty conversation")
+        for i, m in enumerate(text):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str | list)):
+                raise DecodeError(f"{where}.prompt.text[{i}]: a message needs a str role and "
+                                  "a str or list content")
+    elif not isinstance(text, str):
+        raise DecodeError(f"{where}.prompt.text: expected a string or a list of messages")
     return dict(v)
 
 

@@ -139,14 +139,48 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: str = "copy"
-    """Built-in task (copy, reverse, add) or `jsonl` (then `path` is a JSONL file)."""
+    name: Literal["copy", "reverse", "add", "jsonl", "hf"] = "copy"
+    """Built-in task (copy, reverse, add), `jsonl` (a JSONL file: `path`) or `hf` (any
+    dataset `datasets` loads: `dataset`)."""
     path: str = ""
-    """Data file of the `jsonl` task (one JSON object per line: prompt, answer, …)."""
+    """Data file of the `jsonl` task (one JSON object per line, columns as `hf`'s)."""
+    dataset: str = ""
+    """`hf` task: a hub id (through the HF cache; offline roles need it cached), a
+    `save_to_disk` folder, a data file (.jsonl/.json/.csv/.parquet/.arrow/.txt) or a
+    folder of data files."""
+    split: str = "train"
+    """`hf` task: the training split (slices such as ``train[:1000]`` work except for
+    `save_to_disk` folders)."""
+    eval_split: str = ""
+    """Split of held-out prompts (minus duplicates and training prompts); empty = a stable
+    hash split of `split` (about 5%)."""
+    prompt_column: str = Field("prompt", min_length=1)
+    """Column holding the prompt: a string, or a conversation ``[{role, content}, …]``
+    (TRL's conversational format, rendered with the chat template)."""
+    answer_column: str = ""
+    """Column holding the reference answer, also passed to rewards as ``answer`` (empty =
+    the column `answer` if any). Every column reaches rewards under its own name anyway."""
+    system_prompt: str = ""
+    """Prepended as a system message when a prompt is rendered with the chat template
+    (not to a conversation that has one); rewards see the prompt as in the data."""
+    max_prompt_tokens: int = Field(0, ge=0)
+    """Data tasks: prompts longer than this many tokens once rendered are left out, the
+    same in every role, and counted in the log (0 = keep all)."""
     num_prompts: int = Field(20_000, ge=1)
     """Training prompts of a procedural task (one epoch)."""
     heldout: int = Field(256, ge=1)
     """Held-out prompts for the greedy exact-match evaluation."""
+
+    @model_validator(mode="after")
+    def _check_source(self) -> TaskConfig:
+        if self.name == "hf" and not self.dataset:
+            raise ValueError("task.dataset: the hf task needs a dataset (hub id or path)")
+        if self.name == "jsonl" and not (self.path or self.dataset):
+            raise ValueError("task.path: the jsonl task needs a JSONL file")
+        if self.name in ("copy", "reverse", "add") and (self.path or self.dataset):
+            key = "task.path" if self.path else "task.dataset"
+            raise ValueError(f"{key}: task {self.name!r} is procedural and reads no data")
+        return self
 
 
 class VLLMConfig(_Section):
@@ -235,7 +269,8 @@ class ScoringConfig(_Section):
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(fn="workers.rewards:copy_reward")]
     )
-    """Reward functions (TRL signature) and weights; the total is the weighted sum."""
+    """Reward functions (called by keyword as TRL does: prompts, completions,
+    completion_ids, every column) and weights; the total is the weighted sum."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """How advantages are scaled (TRL's scale_rewards); `batch` is per scorer read."""
     zero_variance: Literal["train", "filter"] = "train"
@@ -249,7 +284,8 @@ class ScoringConfig(_Section):
     std_eps: float = Field(1e-4, ge=0)
     """Added to the std before dividing (TRL: 1e-4)."""
     reward_timeout_s: float = Field(30.0, gt=0)
-    """Per call of a reward function."""
+    """Per call of a reward function; one call covers every completion of one scorer read
+    (on failure, one call per group), and one probes it at start."""
     read_count: int = Field(8, ge=1)
     """Groups a scorer reads per XREADGROUP."""
 

@@ -8,12 +8,15 @@ token ids, versions int32; logprobs, rewards, advantages float32; mask uint8.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 SCHEMA_VERSION = 1
 
-PromptValue = str | int | float | bool
+PromptValue = Any
+"""A prompt column's value: str, int, float, bool, None, or lists / str-keyed maps of these
+(a conversation is a list of ``{"role", "content"}`` maps); `pipeline.codec` validates."""
 
 
 @dataclass

@@ -274,7 +274,10 @@ def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
     window = sup.cfg.trainer.window
     elapsed = max(time.time() - sup.t0, 1e-9)
     groups = c["cursor"] - c["generating"]
+    scorers = [w for wid, w in snap["workers"].items() if wid.startswith("scorer/")]
     return {
+        "reward_errors": sum(int(w.get("reward_errors", 0)) for w in scorers),
+        "dlq": int(snap["lengths"].get("dlq") or 0),
         "step": tr.get("step", 0), "max_steps": sup.cfg.trainer.max_steps,
         "reward": reward, "exact": exact,
         "eval": ev.get("last", {}),
@@ -332,7 +335,9 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
             text = (f"step {s['step']}/{s['max_steps']}  reward {fmt(s['reward'])}  "
                     f"exact {fmt(s['exact'])}  eval {shown} {fmt(s['eval'].get(shown))}  "
                     f"stale {fmt(s['staleness'], '.2f')}  {s['groups_per_s']:.1f} groups/s  "
-                    f"gate {s['gate']}")
+                    f"gate {s['gate']}"
+                    + (f"  reward errors {s['reward_errors']}" if s["reward_errors"] else "")
+                    + (f"  dlq {s['dlq']}" if s["dlq"] else ""))
             progress.update(task, completed=s["step"], s=text)
             if not live and time.time() - last_print > 10:
                 last_print = time.time()

@@ -36,10 +36,13 @@ def make_group(gid: str = "0:1", texts: tuple[str, ...] = ("123", "12", "1", "9"
                         rollouts=rollouts)
 
 
-def hang_reward(prompts: list[Any], completions: list[str], completion_ids: list[Any],
-                **fields: Any) -> list[float | None]:
-    """Never returns in time: the scorer holding it can be killed between read and ack."""
-    time.sleep(3600)
+def hang_reward(*, completions: list[Any], completion_ids: list[list[int]],
+                **columns: Any) -> list[float | None]:
+    """Never returns in time on sampled completions, so the scorer holding it can be
+    killed between read and ack; answers at once the start-up probe, whose dummy
+    completions have no token ids (the scorer would otherwise stop at start)."""
+    if any(completion_ids):
+        time.sleep(3600)
     return [0.0] * len(completions)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -37,25 +38,22 @@ from pipeline.tracking import Tracker, eval_metrics, open_tracker
 from pipeline.transports import WeightError, make_transport
 from workers.engines.base import Completion, Engine, SamplingParams
 from workers.engines.transformers import TransformersEngine
-from workers.generator import render_prompt
-from workers.rewards import RewardFn, call_reward, load_reward
-from workers.tasks import make_task
+from workers.prompts import render_prompt
+from workers.rewards import RewardFn, load_reward, reward_matrix
+from workers.tasks import task_from_config
 
 log = logging.getLogger("sluice.evaluator")
 
 
 async def reward_values(rewards: list[RewardFn], tokenizer: Any, prompts: list[dict[str, Any]],
                         outs: list[Completion], timeout_s: float) -> list[list[float | None]]:
-    """``[completion][function]`` reward values, the functions called as the scorer calls
-    them (one call per function over every completion)."""
+    """``[completion][function]`` reward values (None where a function gave None), the
+    functions called exactly as the scorer calls them (`workers.rewards.reward_matrix`:
+    by keyword, one call per function over every completion)."""
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in outs]
-    fields: dict[str, list[Any]] = {k: [p.get(k) for p in prompts]
-                                    for k in {k for p in prompts for k in p}}
-    fields["finish_reason"] = [c.finish_reason for c in outs]
-    comp_ids = [c.token_ids.tolist() for c in outs]
-    cols = await asyncio.gather(*[call_reward(rf, prompts, texts, comp_ids, fields, timeout_s)
-                                  for rf in rewards])
-    return [list(vals) for vals in zip(*cols, strict=True)]
+    m = await reward_matrix(rewards, prompts, texts, [c.token_ids.tolist() for c in outs],
+                            [c.finish_reason for c in outs], timeout_s=timeout_s)
+    return [[None if math.isnan(v) else float(v) for v in row] for row in m.tolist()]
 
 
 async def evaluate(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]],
@@ -63,11 +61,11 @@ async def evaluate(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]]
                    pass_threshold: float = 1.0, num_samples: int = 0,
                    pass_at: tuple[int, ...] | list[int] = (),
                    sampling: SamplingParams | None = None,
-                   timeout_s: float = 30.0) -> dict[str, float]:
+                   timeout_s: float = 30.0, system_prompt: str = "") -> dict[str, float]:
     """Greedy-decode every prompt (and ``num_samples`` sampled completions each with
     ``sampling``), score them with ``rewards``, and summarise
     (`pipeline.evaluation.summarize_scores`)."""
-    ids = [render_prompt(tokenizer, str(p["text"])) for p in prompts]
+    ids = [render_prompt(tokenizer, p["text"], system_prompt) for p in prompts]
     greedy = [g[0] for g in await engine.generate(
         ids, 1, SamplingParams(max_new_tokens, greedy=True))]
     scores = await reward_values(rewards, tokenizer, prompts, greedy, timeout_s)
@@ -103,17 +101,15 @@ class Evaluator:
         self.cfg = cfg
         self.every_s = every_s
         self.wid = worker_id("evaluator")
-        task = make_task(cfg.task.name, seed=cfg.run.seed, num_prompts=cfg.task.num_prompts,
-                         path=cfg.task.path or None)
-        self.prompts = task.heldout(cfg.task.heldout)
         self.engine: Engine
         if cfg.eval_engine == "vllm":
-            self.tokenizer = load_tokenizer(cfg.model.path)
+            self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.revision)
             self.engine = eval_vllm_engine(cfg)
         else:
             model, self.tokenizer = load_policy(
                 cfg, device=resolve_device(cfg.generation.device, "generation.device"))
             self.engine = TransformersEngine(model, self.tokenizer, seed=cfg.run.seed)
+        self.prompts = task_from_config(cfg, self.tokenizer).heldout(cfg.task.heldout)
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
         self.rewards = [load_reward(r.fn, r.weight) for r in cfg.eval_rewards]
         g = cfg.generation
@@ -131,7 +127,8 @@ class Evaluator:
                              self.cfg.generation.max_new_tokens, self.rewards,
                              pass_threshold=e.pass_threshold, num_samples=e.num_samples,
                              pass_at=e.pass_at, sampling=self.sampling,
-                             timeout_s=self.cfg.scoring.reward_timeout_s)
+                             timeout_s=self.cfg.scoring.reward_timeout_s,
+                             system_prompt=self.cfg.task.system_prompt)
         now = time.time()
         self.last = {"version": version, "step": step, "t": now - self.t0, "ts": now,
                      "n": len(self.prompts), **res}

@@ -39,20 +39,12 @@ from pipeline.schema import Rollout, RolloutGroup, RunFinished, WeightsPublished
 from pipeline.transports import WeightError, make_transport
 from workers.engines.base import Completion, Engine, EngineError, SamplingParams
 from workers.engines.transformers import TransformersEngine
-from workers.tasks import make_task, prompt_for_cursor
+from workers.prompts import render_prompt
+from workers.tasks import prompt_for_cursor, task_from_config
 
 log = logging.getLogger("sluice.generator")
 T = TypeVar("T")
 STOP_GRACE_S = 10.0  # on SIGTERM, how long admitted batches may wait for a usable server
-
-
-def render_prompt(tokenizer: object, text: str) -> list[int]:
-    """Token ids of a prompt: through the chat template when the tokenizer has one."""
-    if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(rendered, add_special_tokens=False).input_ids)  # type: ignore[operator]
-    return list(tokenizer(text, add_special_tokens=False).input_ids)  # type: ignore[operator]
 
 
 def to_rollout(c: Completion, tokenizer: object) -> Rollout:
@@ -84,9 +76,8 @@ class Generator:
     def __init__(self, cfg: Config, name: str | None = None):
         self.cfg = cfg
         self.wid = worker_id("generator", name)
-        self.task = make_task(cfg.task.name, seed=cfg.run.seed, num_prompts=cfg.task.num_prompts,
-                              path=cfg.task.path or None)
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.revision)
+        self.task = task_from_config(cfg, self.tokenizer)
         # distinct, reproducible sampling streams per generator name
         seed = (cfg.run.seed * 1_000_003 + zlib.crc32(self.wid.encode())) % 2**31
         self.engine: Engine = make_engine(cfg, self.tokenizer, seed)
@@ -249,7 +240,8 @@ class Generator:
             epoch, idx = prompt_for_cursor(c, len(self.task), self.cfg.run.seed)
             prompt = self.task.prompt(idx)
             metas.append((c, epoch, idx, prompt))
-            prompt_ids.append(render_prompt(self.tokenizer, str(prompt["text"])))
+            prompt_ids.append(render_prompt(self.tokenizer, prompt["text"],
+                                            self.cfg.task.system_prompt))
         results = await self._generate(prompt_ids)
         t_done = time.time()
         for (c, epoch, idx, prompt), pids, comps in zip(metas, prompt_ids, results, strict=True):

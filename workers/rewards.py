@@ -1,35 +1,54 @@
-"""Reward functions, and how the scorer loads and calls them.
+"""Reward functions, and how the scorer (and the evaluator) load and call them.
 
-Signature (TRL's): ``f(prompts, completions, completion_ids, **fields) -> list[float|None]``.
+Calling convention: TRL's GRPOTrainer (``_calculate_rewards`` in TRL 1.16), by keyword::
 
-- ``prompts``: the prompt dicts (``{"text", "answer", ...}``, see ``workers.tasks``).
-- ``completions``: decoded completion text, WITHOUT the end-of-sequence token.
-- ``completion_ids``: the sampled token ids.
-- ``fields``: every prompt key as a column (``answer=[...]``, like TRL's dataset
-  columns) plus ``finish_reason=[...]``: ``"stop"`` if the model emitted end-of-sequence,
-  ``"length"`` otherwise.
+    f(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]
+
+- ``prompts``: each completion's prompt as in the data: a string, or for conversational
+  data the message list ``[{"role": ..., "content": ...}]``.
+- ``completions``: decoded text WITHOUT the end-of-sequence token; for a conversational
+  prompt ``[{"role": "assistant", "content": text}]``, as TRL passes them.
+- ``completion_ids``: the sampled token ids (lists of int).
+- ``columns``: every other key of the prompt dict under its own name (a dataset's
+  ``solution``, sluice's ``answer``), one value per completion (None where a prompt lacks
+  the key), plus ``finish_reason``: ``"stop"`` if the model emitted end-of-sequence,
+  ``"length"`` otherwise (sluice's; TRL has none).
+- What TRL passes besides: ``trainer_state`` is ``None`` (the trainer's state lives in
+  another process; TRL's own rewards accept that), ``log_extra`` and ``log_metric`` are
+  callables that drop what they are given (the scorer reports its own metrics);
+  ``environments`` is not passed (no environments yet).
 - ``None`` in the result means "not applicable to this sample" (as in TRL).
 
-Reward functions are named by import path (``"package.module:function"``) so that any
-process can load them; nothing is pickled.
+So TRL's reward functions (``trl.rewards:accuracy_reward``, ``think_format_reward``, …)
+and any ``def r(completions, solution, **kwargs)`` run unchanged. Reward functions are
+named by import path (``"package.module:function"``) so that any process can load them;
+nothing is pickled. `reward_matrix` is the one entry point that computes rewards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+
+from workers.prompts import completion_for, completion_text
 
 _EOS = None  # end-of-sequence marker in character lists; never equal to a character
 
 
 class RewardError(RuntimeError):
-    """A reward function failed, timed out or returned something invalid."""
+    """A reward function failed, timed out or returned something invalid. ``problem``
+    says how (for a raised exception: ``"raised TypeError(...)"``; the exception itself is
+    ``__cause__``)."""
 
     def __init__(self, name: str, problem: str) -> None:
         super().__init__(f"reward function {name!r}: {problem}")
@@ -37,28 +56,22 @@ class RewardError(RuntimeError):
         self.problem = problem
 
 
-def _column(name: str, prompts: Sequence[dict], fields: dict[str, Any], n: int) -> list[Any]:
-    """``fields[name]`` if given, else each prompt's ``name`` (None where absent)."""
-    if name in fields:
-        column = list(fields[name])
-        if len(column) != n:
-            raise ValueError(f"field {name!r} has {len(column)} values for {n} completions")
-        return column
-    return [p.get(name) for p in prompts]
+def _texts(completions: Sequence[Any]) -> list[str]:
+    return [completion_text(c) for c in completions]
 
 
-def _finish_reasons(fields: dict[str, Any], n: int) -> list[Any]:
-    if "finish_reason" not in fields:
-        raise ValueError("this reward needs the finish_reason field ('stop' or 'length')")
-    return _column("finish_reason", [], fields, n)
+def _per_completion(values: Sequence[Any] | None, n: int, name: str) -> list[Any]:
+    if values is None:
+        raise ValueError(f"this reward needs the {name} column")
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(f"column {name!r} has {len(values)} values for {n} completions")
+    return values
 
 
-def match_reward(
-    prompts: list[dict],
-    completions: list[str],
-    completion_ids: list[list[int]],
-    **fields: Any,
-) -> list[float | None]:
+def match_reward(*, completions: Sequence[Any], answer: Sequence[Any] | None = None,
+                 finish_reason: Sequence[str] | None = None, **kwargs: Any
+                 ) -> list[float | None]:
     """Position-wise character match against ``answer`` + EOS, in [0, 1].
 
     ``target = list(answer) + [EOS]``; ``got = list(completion) + [EOS if stopped]``;
@@ -66,15 +79,16 @@ def match_reward(
     Exact answer then stop = 1.0; exact answer but no stop = len/(len+1); extra or
     missing characters cost through the denominator. ``None`` where there is no answer.
     """
-    n = len(completions)
-    answers = _column("answer", prompts, fields, n)
-    finished = _finish_reasons(fields, n)
+    texts = _texts(completions)
+    n = len(texts)
+    answers = [None] * n if answer is None else _per_completion(answer, n, "answer")
+    finished = _per_completion(finish_reason, n, "finish_reason")
     rewards: list[float | None] = []
-    for answer, completion, reason in zip(answers, completions, finished, strict=True):
-        if answer is None:
+    for a, completion, reason in zip(answers, texts, finished, strict=True):
+        if a is None:
             rewards.append(None)
             continue
-        target = [*str(answer), _EOS]
+        target = [*str(a), _EOS]
         got = [*completion, *([_EOS] if reason == "stop" else [])]
         matches = sum(t == g for t, g in zip(target, got, strict=False))
         rewards.append(matches / max(len(target), len(got)))
@@ -84,30 +98,22 @@ def match_reward(
 copy_reward = match_reward
 
 
-def exact_match(
-    prompts: list[dict],
-    completions: list[str],
-    completion_ids: list[list[int]],
-    **fields: Any,
-) -> list[float | None]:
-    """1.0 iff the completion equals ``answer`` exactly and the model stopped, else 0.0."""
-    n = len(completions)
-    answers = _column("answer", prompts, fields, n)
-    finished = _finish_reasons(fields, n)
-    return [
-        None if a is None else float(c == str(a) and r == "stop")
-        for a, c, r in zip(answers, completions, finished, strict=True)
-    ]
+def exact_match(*, completions: Sequence[Any], answer: Sequence[Any] | None = None,
+                finish_reason: Sequence[str] | None = None, **kwargs: Any
+                ) -> list[float | None]:
+    """1.0 iff the completion equals ``answer`` exactly and the model stopped, else 0.0;
+    ``None`` where there is no answer."""
+    texts = _texts(completions)
+    n = len(texts)
+    answers = [None] * n if answer is None else _per_completion(answer, n, "answer")
+    finished = _per_completion(finish_reason, n, "finish_reason")
+    return [None if a is None else float(c == str(a) and r == "stop")
+            for a, c, r in zip(answers, texts, finished, strict=True)]
 
 
-def format_reward(
-    prompts: list[dict],
-    completions: list[str],
-    completion_ids: list[list[int]],
-    **fields: Any,
-) -> list[float | None]:
+def format_reward(*, completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
     """1.0 iff the completion is one or more ASCII digits, else 0.0."""
-    return [float(c.isascii() and c.isdigit()) for c in completions]
+    return [float(c.isascii() and c.isdigit()) for c in _texts(completions)]
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,7 @@ class RewardFn:
     name: str
     fn: Callable[..., Any]
     weight: float = 1.0
+    path: str = field(default="", compare=False)  # "package.module:function", for messages
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
@@ -151,7 +158,7 @@ def load_reward(path: str, weight: float = 1.0) -> RewardFn:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ValueError(f"reward {path!r}: {attr!r} is {type(obj).__name__}, not callable")
-    return RewardFn(name=attr, fn=obj, weight=weight)
+    return RewardFn(name=attr, fn=obj, weight=weight, path=path)
 
 
 def _validate(name: str, result: Any, n: int) -> list[float | None]:
@@ -175,17 +182,39 @@ def _validate(name: str, result: Any, n: int) -> list[float | None]:
     return out
 
 
-async def call_reward(
-    rf: RewardFn,
-    prompts: list[dict],
-    completions: list[str],
-    completion_ids: list[list[int]],
-    fields: dict[str, list[Any]],
-    timeout_s: float,
-) -> list[float | None]:
-    """Call one reward function and return validated floats (or None), one per completion.
+def _drop(*args: Any, **kwargs: Any) -> None:
+    """``log_extra`` / ``log_metric`` of TRL: accepted and dropped."""
 
-    Async functions are awaited; sync ones run in a worker thread so the event loop keeps
+
+async def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """``fn(**kwargs)`` in a fresh daemon thread: the event loop keeps serving, and a
+    call that never returns cannot keep the process from exiting (the default executor's
+    threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not done.done():
+            (done.set_result if ok else done.set_exception)(value)
+
+    def target() -> None:
+        try:
+            outcome = (True, fn(**kwargs))
+        except BaseException as e:  # handed to the awaiting coroutine
+            outcome = (False, e)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (timed out)
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=target, name="sluice-reward", daemon=True).start()
+    return await done
+
+
+async def call_reward(rf: RewardFn, kwargs: dict[str, Any], n: int,
+                      timeout_s: float) -> list[float | None]:
+    """Call one reward function with TRL's keyword arguments (`reward_kwargs`) and
+    return validated floats (or None), ``n`` of them.
+
+    Async functions are awaited; sync ones run in a daemon thread so the event loop keeps
     serving. Every failure (exception, timeout, bad result) raises ``RewardError``. A
     timed-out sync function cannot be killed: its thread runs on, the result is dropped.
     """
@@ -195,11 +224,9 @@ async def call_reward(
     async def invoke() -> Any:
         try:
             if inspect.iscoroutinefunction(rf.fn):
-                result = await rf.fn(prompts, completions, completion_ids, **fields)
+                result = await rf.fn(**kwargs)
             else:
-                result = await asyncio.to_thread(
-                    rf.fn, prompts, completions, completion_ids, **fields
-                )
+                result = await _in_daemon_thread(rf.fn, kwargs)
             if inspect.isawaitable(result):  # e.g. an object with an async __call__
                 result = await result
         except Exception as e:  # the function's own failure, including its TimeoutError
@@ -210,4 +237,71 @@ async def call_reward(
         result = await asyncio.wait_for(invoke(), timeout_s)
     except TimeoutError as e:
         raise RewardError(rf.name, f"timed out after {timeout_s:g}s") from e
-    return _validate(rf.name, result, len(completions))
+    return _validate(rf.name, result, n)
+
+
+def reward_kwargs(prompts: Sequence[Mapping[str, Any]], completions: Sequence[str],
+                  completion_ids: Sequence[Sequence[int]], finish_reasons: Sequence[str]
+                  ) -> dict[str, Any]:
+    """The keyword arguments of one reward call (module docstring), one entry per
+    completion: ``prompts[i]`` is completion ``i``'s prompt dict (``text`` + columns)."""
+    n = len(completions)
+    if not len(prompts) == len(completion_ids) == len(finish_reasons) == n:
+        raise ValueError(f"{len(prompts)} prompts, {n} completions, {len(completion_ids)} "
+                         f"id lists and {len(finish_reasons)} finish reasons: one each")
+    columns: list[str] = []
+    for p in prompts:  # union of keys, in first-seen order
+        columns.extend(k for k in p if k != "text" and k not in columns)
+    kwargs: dict[str, Any] = {k: [p.get(k) for p in prompts] for k in columns}
+    kwargs.update(
+        prompts=[p.get("text") for p in prompts],
+        completions=[completion_for(p.get("text"), c) for p, c in zip(prompts, completions,
+                                                                        strict=True)],
+        completion_ids=[[int(t) for t in ids] for ids in completion_ids],
+        finish_reason=list(finish_reasons), trainer_state=None, log_extra=_drop,
+        log_metric=_drop)
+    return kwargs
+
+
+async def reward_matrix(rewards: Sequence[RewardFn], prompts: Sequence[Mapping[str, Any]],
+                        completions: Sequence[str], completion_ids: Sequence[Sequence[int]],
+                        finish_reasons: Sequence[str], *, timeout_s: float) -> np.ndarray:
+    """Rewards of ``n`` (prompt dict, completion) pairs under each function: ``[n, F]``
+    float64, NaN where a function returned None.
+
+    One call per function over all ``n`` pairs (so a reward model sees one batch), the
+    functions concurrently. ``completions`` are texts; conversational prompts get them as
+    assistant messages (`reward_kwargs`). Raises the first function's ``RewardError`` if
+    any failed; the caller decides what a failure costs (the scorer: retry per group).
+    """
+    n = len(completions)
+    kwargs = reward_kwargs(prompts, completions, completion_ids, finish_reasons)
+    cols = await asyncio.gather(*[call_reward(rf, kwargs, n, timeout_s) for rf in rewards],
+                                return_exceptions=True)
+    for col in cols:
+        if isinstance(col, BaseException):
+            raise col
+    out = np.full((n, len(rewards)), np.nan, dtype=np.float64)
+    for j, col in enumerate(cols):
+        out[:, j] = [np.nan if v is None else v for v in col]  # type: ignore[union-attr]
+    return out
+
+
+async def probe_reward(rf: RewardFn, prompt: Mapping[str, Any], timeout_s: float) -> str | None:
+    """Call ``rf`` once as the scorer would, on ``prompt`` with two dummy completions (its
+    ``answer`` and an empty string, no token ids, finish reasons stop and length): None if
+    the call works and returns two numbers or Nones, else the function's own error
+    (``"TypeError: r() missing 1 required keyword-only argument: 'target'"``). The
+    values are not judged; a dummy completion proves only that the function can be
+    called with this task's columns."""
+    answer = prompt.get("answer")
+    texts = ["" if answer is None else str(answer), ""]
+    try:
+        await reward_matrix([rf], [prompt, prompt], texts, [[], []], ["stop", "length"],
+                            timeout_s=timeout_s)
+    except RewardError as e:
+        cause = e.__cause__
+        if cause is not None and not isinstance(cause, TimeoutError):
+            return f"{type(cause).__name__}: {cause}"
+        return e.problem
+    return None

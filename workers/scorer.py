@@ -9,6 +9,17 @@ A consumer in group ``scorers`` on ``rollouts``. Per entry, exactly one of:
 - leave pending: a reward function failed and deliveries remain (read again later).
 Entries of crashed scorers are reclaimed with XAUTOCLAIM after ``claim_idle_ms``.
 
+Rewards are computed for a whole read at once (`workers.rewards.reward_matrix`: one call
+per function over every completion of every decoded group, so a reward model sees a
+batch). If that call fails, each group is retried alone, so a failure is charged only to
+the groups that fail on their own: they count in ``reward_errors`` and follow the rule
+above; the others are scored.
+
+At start (and in `sluice up` / `sluice score` before any role runs: `check_rewards`) each
+function is probed once on a held-out prompt of the task; one that cannot be called
+(wrong signature, missing column, wrong result shape) stops the scorer with the
+function's own error instead of dead-lettering every group.
+
 Every state change is one idempotent script keyed by (consumer, entry id, delivery), so a
 batch retried after a lost Redis reply neither acts twice nor loses its ledger record.
 Scale-down: on SIGTERM a scorer finishes the batch it holds, then leaves the consumer
@@ -21,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 
@@ -34,12 +46,13 @@ from pipeline.advantages import (
 )
 from pipeline.bus import Bus, Entry, worker_id
 from pipeline.codec import DecodeError, decode_entry, encode, peek_group_id
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.ledger import Ledger
 from pipeline.runtime import Heartbeat, connect, join, limits
 from pipeline.schema import RolloutGroup, RunFinished, ScoredGroup
-from workers.rewards import RewardError, RewardFn, call_reward, load_reward
+from workers.rewards import RewardError, RewardFn, load_reward, probe_reward, reward_matrix
+from workers.tasks import Task, task_from_config
 
 log = logging.getLogger("sluice.scorer")
 
@@ -49,7 +62,7 @@ class Scorer:
         self.cfg = cfg
         self.wid = worker_id("scorer", name)
         self.consumer = self.wid.split("/", 1)[1]
-        self.rewards: list[RewardFn] = [load_reward(s.fn, s.weight) for s in cfg.scoring.rewards]
+        self.rewards: list[RewardFn] = load_rewards(cfg)
         self.weights = np.array([r.weight for r in self.rewards], dtype=np.float64)
         self.limits = limits(cfg)
         self.counts = {"scored": 0, "filtered": 0, "dead": 0, "reward_errors": 0,
@@ -67,18 +80,38 @@ class Scorer:
         return {**self.counts, "reward_sum": self.reward_sum, "reward_n": self.reward_n,
                 "part_sums": self.part_sums, "busy": self.busy}
 
-    async def rewards_of(self, g: RolloutGroup) -> np.ndarray:
-        """[n, F] reward matrix (NaN where a function returned None)."""
-        prompts = [g.prompt] * len(g.rollouts)
-        fields: dict[str, list] = {k: [v] * len(g.rollouts) for k, v in g.prompt.items()}
-        fields["finish_reason"] = [r.finish_reason for r in g.rollouts]
-        completions = [r.text for r in g.rollouts]
-        ids = [r.completion_ids.tolist() for r in g.rollouts]
-        cols = await asyncio.gather(*[
-            call_reward(rf, prompts, completions, ids, fields, self.cfg.scoring.reward_timeout_s)
-            for rf in self.rewards])
-        return np.array([[np.nan if v is None else v for v in col] for col in cols],
-                        dtype=np.float64).T
+    async def rewards_of(self, groups: list[RolloutGroup]) -> list[np.ndarray | RewardError]:
+        """Per group, its [n, F] reward matrix (NaN where a function returned None) or
+        the error of its own call. One call over all groups first; on failure, one call
+        per group (module docstring)."""
+        timeout_s = self.cfg.scoring.reward_timeout_s
+
+        async def call(gs: list[RolloutGroup]) -> np.ndarray:
+            rows = [(g.prompt, r) for g in gs for r in g.rollouts]
+            return await reward_matrix(
+                self.rewards, [p for p, _ in rows], [r.text for _, r in rows],
+                [r.completion_ids.tolist() for _, r in rows], [r.finish_reason for _, r in rows],
+                timeout_s=timeout_s)
+
+        if not groups:
+            return []
+        try:
+            whole = await call(groups)
+        except RewardError as err:
+            if len(groups) == 1:
+                return [err]
+            log.info("reward call over %d groups failed (%s); scoring them one by one",
+                     len(groups), err)
+        else:
+            bounds = np.cumsum([0, *(len(g.rollouts) for g in groups)])
+            return [whole[a:b] for a, b in itertools.pairwise(bounds)]
+        out: list[np.ndarray | RewardError] = []
+        for g in groups:
+            try:
+                out.append(await call([g]))
+            except RewardError as err:
+                out.append(err)
+        return out
 
     async def dead(self, bus: Bus, e: Entry, reason: str) -> None:
         gid = peek_group_id(e.fields)
@@ -92,7 +125,7 @@ class Scorer:
             self.counts["dead"] += 1
 
     async def process(self, bus: Bus, entries: list[Entry]) -> None:
-        scored: list[tuple[Entry, RolloutGroup, np.ndarray, np.ndarray]] = []
+        decoded: list[tuple[Entry, RolloutGroup]] = []
         for e in entries:
             if e.fields is None:  # deleted while pending: nothing to score
                 await bus.ack(bus.keys.rollouts, SCORERS_GROUP, e.id)
@@ -103,14 +136,20 @@ class Scorer:
             try:
                 g = decode_entry(e.fields, self.limits, expect=RolloutGroup)
                 assert isinstance(g, RolloutGroup)
-                parts = await self.rewards_of(g)
+            except DecodeError as err:
+                await self.dead(bus, e, f"decode: {err}")
+                continue
+            decoded.append((e, g))
+        scored: list[tuple[Entry, RolloutGroup, np.ndarray, np.ndarray]] = []
+        results = await self.rewards_of([g for _, g in decoded])
+        for (e, g), parts in zip(decoded, results, strict=True):
+            try:
+                if isinstance(parts, RewardError):
+                    raise parts
                 total = combine_rewards(parts, self.weights)
                 if not np.isfinite(total).all():
                     raise RewardError("+".join(r.name for r in self.rewards),
                                       "no function gave a completion a reward (all None)")
-            except DecodeError as err:
-                await self.dead(bus, e, f"decode: {err}")
-                continue
             except RewardError as err:
                 self.counts["reward_errors"] += 1
                 if e.deliveries >= self.cfg.bus.max_deliveries:
@@ -164,6 +203,7 @@ class Scorer:
                 stop.set()
 
     async def run(self, stop: asyncio.Event) -> None:
+        await probe_rewards(self.cfg, self.rewards)
         bus = connect(self.cfg)
         await bus.retrying(lambda: bus.ensure_group(bus.keys.rollouts, SCORERS_GROUP), "group")
         await bus.retrying(lambda: bus.ensure_group(bus.keys.scored, TRAINERS_GROUP), "group")
@@ -212,6 +252,40 @@ class Scorer:
             bus.keys.rollouts, SCORERS_GROUP, keep=self.cfg.bus.keep_acked)
         await bus.prune_consumers(bus.keys.rollouts, SCORERS_GROUP,
                                   idle_ms=10 * self.cfg.bus.claim_idle_ms)
+
+
+def load_rewards(cfg: Config) -> list[RewardFn]:
+    """``scoring.rewards`` loaded; an import problem raises ``ConfigError`` naming the key."""
+    out = []
+    for i, spec in enumerate(cfg.scoring.rewards):
+        try:
+            out.append(load_reward(spec.fn, spec.weight))
+        except ValueError as e:
+            raise ConfigError(f"scoring.rewards.{i}.fn: {e}") from None
+    return out
+
+
+async def probe_rewards(cfg: Config, rewards: list[RewardFn], task: Task | None = None
+                        ) -> None:
+    """Call each reward once on a held-out prompt of the task (the first training prompt
+    if there is none; `workers.rewards.probe_reward`). ``ConfigError`` naming the first
+    function that cannot be called, with its own error message."""
+    task = task or task_from_config(cfg)
+    held = task.heldout(1)
+    prompt = held[0] if held else task.prompt(0)
+    timeout_s = cfg.scoring.reward_timeout_s
+    problems = await asyncio.gather(*[probe_reward(rf, prompt, timeout_s) for rf in rewards])
+    for i, (rf, problem) in enumerate(zip(rewards, problems, strict=True)):
+        if problem is not None:
+            hint = " (raise scoring.reward_timeout_s?)" if problem.startswith("timed out") else ""
+            raise ConfigError(f"scoring.rewards.{i}.fn {rf.path or rf.name!r}: {problem}{hint}")
+
+
+def check_rewards(cfg: Config, task: Task | None = None) -> None:
+    """What `sluice up` and `sluice score` run before starting any role: load and probe
+    every reward function (building the task unless given); ``ConfigError`` /
+    ``ValueError`` naming the key."""
+    asyncio.run(probe_rewards(cfg, load_rewards(cfg), task))
 
 
 async def main(cfg: Config, stop: asyncio.Event, name: str | None = None) -> None:

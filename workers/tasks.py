@@ -1,8 +1,10 @@
 """Tasks: where prompts come from, and in which order the generators admit them.
 
 A *prompt* is a plain dict that travels on the wire (msgpack) and reaches the reward
-functions unchanged: ``{"text": str, "answer": str, ...}``, values str/int/float only.
-``text`` is what the model sees; ``answer`` is the reference the reward compares to.
+functions as keyword columns: ``{"text": str | messages, "answer": str, ...}``.
+``text`` is what the model sees (a string, or a TRL-style conversation rendered with the
+chat template: ``workers.prompts``); ``answer`` is the reference sluice's built-in
+rewards compare to; other keys are dataset columns under their own names.
 
 Built-in procedural tasks (no download, rewards are verifiable):
 
@@ -17,10 +19,11 @@ Invariants of every task:
   ``n <= m``, its prompts are distinct, and no held-out ``text`` is a training ``text``.
   It returns fewer than ``n`` prompts only when no more exist.
 
-User data: ``JsonlTask`` (a JSONL file) and ``load_hf_dataset`` (a *local* Hugging Face
-dataset; nothing is ever downloaded). Both split rows into train/held-out by a hash of
-the prompt text, so the split is stable when rows are appended or reordered and a text
-that occurs twice never lands on both sides.
+User data (``jsonl``, ``hf``: ``workers.data``) maps columns like TRL; it is split into
+train/held-out by a hash of the prompt (stable when rows are appended or reordered; a
+prompt that occurs twice never lands on both sides) or by ``task.eval_split``.
+``task_from_config`` builds the configured task; given the tokenizer, it also drops
+prompts over ``task.max_prompt_tokens`` (the same indices in every process).
 
 Order: the admission gate hands out a global ``cursor``; ``prompt_for_cursor`` maps it to
 ``(epoch, prompt_index)`` through a fresh seeded permutation per epoch, so every prompt
@@ -30,16 +33,19 @@ is admitted exactly once per epoch and any process computes the same mapping.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
+import logging
 import operator
 import os
-from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-Prompt = dict[str, str | int | float]
+from workers.data import JsonlTask, Prompt, RecordsTask, load_hf_task
+from workers.prompts import render_prompt
+
+log = logging.getLogger("sluice.tasks")
+__all__ = ["JsonlTask", "Prompt", "RecordsTask", "Task", "load_hf_task", "make_task",
+           "task_from_config"]
 
 # Sub-streams of one seed: SeedSequence([seed, stream, ...]) keeps them independent.
 _TRAIN_STREAM = 0
@@ -199,156 +205,6 @@ class AddTask(_ProceduralTask):
         return [(f"{x}+{y}=", str(x + y)) for x, y in zip(a, b, strict=True)]
 
 
-def _record_to_prompt(record: Any, where: str, text_field: str, answer_field: str) -> Prompt:
-    """Validate one user row. Keeps other str/int/float fields; drops the rest, and drops
-    fields named ``text``/``answer`` that would collide with the canonical keys."""
-    if not isinstance(record, Mapping):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    for field in (text_field, answer_field):
-        if field not in record:
-            raise ValueError(f"{where}: missing field {field!r}")
-    text, answer = record[text_field], record[answer_field]
-    if not isinstance(text, str):
-        raise ValueError(f"{where}: field {text_field!r} must be a string")
-    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-        raise ValueError(f"{where}: field {answer_field!r} must be a string or a number")
-    prompt: Prompt = {"text": text, "answer": str(answer)}
-    for key, value in record.items():
-        if key in (text_field, answer_field, "text", "answer"):
-            continue
-        if isinstance(key, str) and isinstance(value, str | int | float):
-            prompt[key] = value
-    return prompt
-
-
-def _is_heldout(text: str, fraction: float) -> bool:
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2.0**64 < fraction
-
-
-class RecordsTask:
-    """A task over already-validated user prompts, split by a hash of ``text``.
-
-    The held-out share is ``heldout_fraction`` in expectation (not exactly): a tiny file
-    may have no held-out prompt. An empty training side is an error.
-    """
-
-    def __init__(
-        self,
-        prompts: Iterable[Prompt],
-        *,
-        source: str,
-        name: str = "records",
-        heldout_fraction: float = 0.05,
-        default_rewards: list[str] | None = None,
-    ) -> None:
-        if not 0.0 <= heldout_fraction < 1.0:
-            raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
-        self.name = name
-        self.source = source
-        self.default_rewards = list(default_rewards or ["workers.rewards:exact_match"])
-        self._train: list[Prompt] = []
-        self._heldout: list[Prompt] = []
-        for p in prompts:
-            side = self._heldout if _is_heldout(str(p["text"]), heldout_fraction) else self._train
-            side.append(p)
-        if not self._train:
-            raise ValueError(f"{source}: no training prompts (file empty or all held out)")
-
-    def __len__(self) -> int:
-        return len(self._train)
-
-    def prompt(self, index: int) -> Prompt:
-        index = operator.index(index)
-        if not 0 <= index < len(self._train):
-            raise IndexError(f"{self.source}: prompt index {index} not in [0, {len(self)})")
-        return dict(self._train[index])
-
-    def heldout(self, n: int) -> list[Prompt]:
-        """The first ``n`` held-out rows in file order (fewer if the file has fewer)."""
-        n = _check_int("n", n, 0)
-        return [dict(p) for p in self._heldout[:n]]
-
-
-class JsonlTask(RecordsTask):
-    """One JSON object per line; blank lines are skipped. Malformed lines and missing
-    fields raise ``ValueError("<path>:<line>: ...")``."""
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        text_field: str = "prompt",
-        answer_field: str = "answer",
-        heldout_fraction: float = 0.05,
-    ) -> None:
-        path = os.fspath(path)
-        prompts = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: invalid JSON: {e.msg}") from e
-                prompts.append(_record_to_prompt(record, where, text_field, answer_field))
-        super().__init__(prompts, source=path, name="jsonl", heldout_fraction=heldout_fraction)
-
-
-_HF_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-def load_hf_dataset(
-    name_or_path: str | os.PathLike[str],
-    split: str = "train",
-    *,
-    text_field: str = "prompt",
-    answer_field: str = "answer",
-    heldout_fraction: float = 0.05,
-) -> RecordsTask:
-    """A task from a LOCAL Hugging Face dataset; nothing is downloaded.
-
-    ``name_or_path`` must exist on disk: a ``save_to_disk`` folder (``load_from_disk``),
-    a data file (.jsonl/.json/.csv/.parquet) or a folder of data files (``load_dataset``).
-    Hub names are refused. Needs the optional ``datasets`` package.
-    """
-    try:
-        import datasets
-    except ImportError as e:
-        raise ImportError(
-            "load_hf_dataset needs the optional 'datasets' package (pip install datasets); "
-            "for JSONL files use JsonlTask, which has no extra dependency"
-        ) from e
-    path = os.fspath(name_or_path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"{path}: no such local dataset; load_hf_dataset never downloads "
-            "(save the dataset with Dataset.save_to_disk, or pass a local data file)"
-        )
-    saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
-    if os.path.isdir(path) and saved:
-        ds: Any = datasets.load_from_disk(path)
-        if isinstance(ds, Mapping):
-            if split not in ds:
-                raise ValueError(f"{path}: no split {split!r}; have {sorted(ds)}")
-            ds = ds[split]
-    elif os.path.isfile(path):
-        builder = _HF_FILE_BUILDERS.get(os.path.splitext(path)[1].lower())
-        if builder is None:
-            known = sorted(_HF_FILE_BUILDERS)
-            raise ValueError(f"{path}: unsupported file type; use one of {known}")
-        ds = datasets.load_dataset(builder, data_files=path, split=split)
-    else:
-        ds = datasets.load_dataset(path, split=split)
-    source = f"{path}[{split}]"
-    prompts = [
-        _record_to_prompt(row, f"{source} row {i}", text_field, answer_field)
-        for i, row in enumerate(ds)
-    ]
-    return RecordsTask(prompts, source=source, name="hf", heldout_fraction=heldout_fraction)
-
-
 _PROCEDURAL: dict[str, type[_DigitStringTask] | type[AddTask]] = {
     "copy": CopyTask,
     "reverse": ReverseTask,
@@ -363,11 +219,14 @@ def make_task(
     seed: int,
     num_prompts: int,
     path: str | None = None,
-    text_field: str = "prompt",
-    answer_field: str = "answer",
+    split: str = "train",
+    eval_split: str = "",
+    prompt_column: str = "prompt",
+    answer_column: str = "",
 ) -> Task:
     """Build a task by name. ``num_prompts``/``seed`` shape procedural tasks only; data
-    tasks (``jsonl``, ``hf``) need ``path`` and use every row of it."""
+    tasks (``jsonl``: a JSONL file; ``hf``: anything ``workers.data.load_split`` loads)
+    need ``path`` and use every row of it."""
     key = name.strip().lower()
     if key in _PROCEDURAL:
         if path is not None:
@@ -375,11 +234,45 @@ def make_task(
         return _PROCEDURAL[key](num_prompts=num_prompts, seed=seed)
     if key in ("jsonl", "hf"):
         if not path:
-            raise ValueError(f"task {name!r} needs a path to local data")
+            raise ValueError(f"task {name!r} needs data: task.dataset (or task.path for jsonl)")
         if key == "jsonl":
-            return JsonlTask(path, text_field=text_field, answer_field=answer_field)
-        return load_hf_dataset(path, text_field=text_field, answer_field=answer_field)
+            return JsonlTask(path, prompt_column=prompt_column, answer_column=answer_column)
+        return load_hf_task(path, split, eval_split=eval_split, prompt_column=prompt_column,
+                            answer_column=answer_column)
     raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}")
+
+
+def task_from_config(cfg: Any, tokenizer: Any = None) -> Task:
+    """The run's task (``cfg.task``). With ``tokenizer`` and ``task.max_prompt_tokens``
+    set, prompts whose rendered length is above it are dropped from both sides and the
+    count is logged; every role that needs indices (generators) passes the tokenizer, so
+    all agree. Roles that only need a prompt to probe with (scorers) may pass None."""
+    t = cfg.task
+    task = make_task(t.name, seed=cfg.run.seed, num_prompts=t.num_prompts,
+                     path=(t.dataset or t.path) or None, split=t.split,
+                     eval_split=t.eval_split, prompt_column=t.prompt_column,
+                     answer_column=t.answer_column)
+    if tokenizer is not None:
+        render_prompt(tokenizer, task.prompt(0)["text"], t.system_prompt)  # fails at start
+        if t.max_prompt_tokens:
+            if not isinstance(task, RecordsTask):
+                raise ValueError("task.max_prompt_tokens: only data tasks (jsonl, hf) are "
+                                 "filtered by length")
+            task.limit_prompt_tokens(
+                lambda text: len(render_prompt(tokenizer, text, t.system_prompt)),
+                t.max_prompt_tokens)
+            log.info("task %s: %d prompts over task.max_prompt_tokens=%d left out (%d "
+                     "held-out); %d remain", task.name, task.dropped["too_long"],
+                     t.max_prompt_tokens, task.dropped["heldout_too_long"], len(task))
+    return task
+
+
+def load_hf_dataset(name_or_path: str | os.PathLike[str], split: str = "train", *,
+                    text_field: str = "prompt", answer_field: str = "",
+                    heldout_fraction: float = 0.05) -> RecordsTask:
+    """Deprecated name of `workers.data.load_hf_task` (kept for scripts)."""
+    return load_hf_task(os.fspath(name_or_path), split, prompt_column=text_field,
+                        answer_column=answer_field, heldout_fraction=heldout_fraction)
 
 
 def epoch_order(num_prompts: int, seed: int, epoch: int) -> np.ndarray:

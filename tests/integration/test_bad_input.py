@@ -269,12 +269,13 @@ def test_scorer_dead_letters_bad_rollout_acks_retires_and_keeps_going(
     arun(go())
 
 
-def failing_reward(prompts: list[dict[str, Any]], completions: list[str],
-                   completion_ids: list[list[int]], **fields: Any) -> list[float | None]:
-    """The copy reward, except that it raises on any group whose prompt says ``fail``."""
-    if any(p.get("fail") for p in prompts):
+def failing_reward(*, completions: list[str], fail: list[Any] | None = None,
+                   **columns: Any) -> list[float | None]:
+    """The copy reward, except that it raises on any call that includes a completion
+    whose prompt has the column ``fail`` set (the scorer then retries group by group)."""
+    if any(fail or []):
         raise RuntimeError("reward backend unavailable")
-    return copy_reward(prompts, completions, completion_ids, **fields)
+    return copy_reward(completions=completions, **columns)
 
 
 def test_group_whose_reward_keeps_failing_is_dead_lettered_after_max_deliveries(

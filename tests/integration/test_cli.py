@@ -84,6 +84,7 @@ BAD_START_FILES: dict[str, str | bytes] = {
     "range.toml": "[trainer]\nmax_staleness = -1\n",
     "section.toml": "[trainerr]\nlr = 1e-4\n",
     "notutf8.toml": b"\xff\xfe[run]\n",
+    "data.jsonl": '{"question": "1+1", "answer": "2"}\n',
 }
 
 
@@ -120,13 +121,30 @@ BAD_START_FILES: dict[str, str | bytes] = {
          ["scoring.rewards.0.fn:", "has no attribute 'nope'"]),
         (["score", "{tmp}/ok.toml", "--set", "scoring.rewards=[{{fn='not a path'}}]"],
          ["scoring.rewards.0.fn: String should match pattern"]),
+        (["score", "{tmp}/ok.toml", "--set",
+          "scoring.rewards=[{{fn='tests.integration.test_scorer:target_reward'}}]"],
+         ["scoring.rewards.0.fn 'tests.integration.test_scorer:target_reward': TypeError: "
+          "target_reward() missing 1 required keyword-only argument: 'target'"]),
+        (["up", "{tmp}/ok.toml", "--set", "run.output_dir={tmp}/run", "--set",
+          "scoring.rewards=[{{fn='workers.rewards:copy_reward'}}, "
+          "{{fn='tests.integration.test_scorer:target_reward'}}]"],
+         ["scoring.rewards.1.fn 'tests.integration.test_scorer:target_reward': TypeError: "]),
+        (["up", "{tmp}/ok.toml", "--set", "run.output_dir={tmp}/run", "--set", "task.name=hf",
+          "--set", "task.dataset={tmp}/data.jsonl"],
+         ["task.prompt_column: no column 'prompt'", "columns: ['question', 'answer']"]),
+        (["score", "{tmp}/ok.toml", "--set", "task.name=hf", "--set",
+          "task.dataset={tmp}/none.jsonl"], ["task.dataset: {tmp}/none.jsonl: no such file"]),
+        (["score", "{tmp}/ok.toml", "--set", "task.name=hf"],
+         ["task.dataset: the hf task needs a dataset"]),
     ],
     ids=["bad-toml", "not-utf8", "config-is-a-directory", "wrong-type-in-file",
          "wrong-type-in-set", "out-of-range-in-file", "unknown-section", "unknown-key-in-set",
          "set-without-equals", "set-through-a-scalar", "unknown-subcommand",
          "unknown-argument", "missing-config-argument", "bad-option-value",
          "train-without-model", "generate-without-model", "eval-without-model",
-         "reward-module-missing", "reward-function-missing", "reward-path-malformed"],
+         "reward-module-missing", "reward-function-missing", "reward-path-malformed",
+         "reward-cannot-be-called", "up-probes-rewards-first", "up-unknown-column",
+         "dataset-missing", "hf-without-dataset"],
 )
 def test_bad_start_exits_2_naming_the_problem_without_a_traceback(
         tmp_path: Path, args: list[str], needles: list[str]) -> None:

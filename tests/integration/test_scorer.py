@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 
 from pipeline.bus import Bus
 from pipeline.codec import decode_entry, encode
-from pipeline.config import load_config
+from pipeline.config import ConfigError, load_config
 from pipeline.embedded import EmbeddedRedis
 from pipeline.keys import SCORERS_GROUP
 from pipeline.monitor import snapshot
@@ -98,3 +100,114 @@ def test_scorer_scores_filters_and_dead_letters_without_stopping(
     assert c["by_reason"] == {"trained": 0, "filtered": 0 if flat else 1, "stale": 0, "dead": 2}
     # 4 admitted: 1 (filter) or 2 (train) wait in `scored`, 1 filtered (filter), 2 dead
     assert c["cursor"] == 4 and c["in_flight"] == (2 if flat else 1) and c["balanced"]
+
+
+CALLS: list[int] = []  # batch sizes seen by `target_reward` (the scorer runs in-process)
+
+
+def target_reward(*, completions: list[Any], target: list[str], **kwargs: Any) -> list[float]:
+    """A keyword-only user reward reading the dataset column ``target``; raises on a call
+    that includes a completion whose target is ``boom``."""
+    CALLS.append(len(completions))
+    if "boom" in target:
+        raise RuntimeError("boom")
+    return [float(c[0]["content"].endswith(t)) for c, t in zip(completions, target, strict=True)]
+
+
+CONV = [{"role": "system", "content": "Think, then answer in \\boxed{}."},
+        {"role": "user", "content": "What is one third?"}]
+
+
+def _conv_group(gid: str, target: str, texts: tuple[str, ...]) -> Any:
+    g = make_group(gid, texts=tuple("1" * (i + 1) for i in range(len(texts))))
+    for r, t in zip(g.rollouts, texts, strict=True):
+        r.text = t
+    g.prompt = {"text": CONV, "solution": "\\frac{1}{3}", "target": target, "tags": ["q", None]}
+    return g
+
+
+def _hf_config(tmp_path: Path, run_name: str, url: str, *sets: str) -> Any:
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": CONV, "solution": "\\frac{1}{3}",
+                                        "target": "}", "tags": ["q", None]}) + "\n"
+                            for _ in range(3)))
+    return load_config(None, [
+        f"run.name={run_name}", f"run.output_dir={tmp_path}", f"bus.redis_url={url}",
+        "bus.block_ms=50", "task.name=hf", f"task.dataset={data}",
+        "scoring.rewards=[{fn='trl.rewards:accuracy_reward'}, "
+        "{fn='trl.rewards:think_format_reward'}, "
+        f"{{fn='{__name__}:target_reward'}}]", *sets])
+
+
+async def _score_all(cfg: Any, url: str, run_name: str, groups: list[Any]) -> tuple[Any, Any]:
+    bus = Bus.connect(url, run_name)
+    await bus.ensure_group(bus.keys.rollouts, SCORERS_GROUP)
+    for g in groups:
+        assert await bus.emit(encode(g), cursor=await bus.admit(100, "g"), owner="g")
+    scorer = Scorer(cfg, "s1")
+    stop = asyncio.Event()
+    task = asyncio.create_task(scorer.run(stop))
+
+    async def settled() -> bool:
+        return (await bus.r.xinfo_groups(bus.keys.rollouts))[0]["lag"] == 0 and \
+            (await bus.r.xpending(bus.keys.rollouts, SCORERS_GROUP))["pending"] == 0
+
+    try:
+        await wait_for_async(settled, 60, lambda: f"every entry settled: {scorer.counts}")
+    finally:
+        stop.set()
+    await asyncio.wait_for(task, 10)
+    out = ([decode_entry(f) for _, f in await bus.r.xrange(bus.keys.scored)],
+           await bus.r.xrange(bus.keys.dlq))
+    await bus.close()
+    return scorer, out
+
+
+def test_trl_rewards_and_a_keyword_only_user_reward_run_unchanged_in_one_batch(
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> None:
+    """TRL's own reward functions get conversational completions, the dataset's columns
+    under their own names, and one call per function covers the whole read."""
+    cfg = _hf_config(tmp_path, run_name, redis_server.url)
+    texts = ("<think>a third</think> \\boxed{\\frac{1}{3}}", "\\boxed{\\frac{1}{2}}",
+             "<think>hm</think> no", "\\boxed{1/3}")
+    CALLS.clear()
+    scorer, (scored, dlq) = arun(_score_all(cfg, redis_server.url, run_name,
+                                            [_conv_group("0:1", "}", texts),
+                                             _conv_group("0:2", "no", texts)]))
+    assert not dlq and scorer.counts["reward_errors"] == 0
+    assert CALLS == [2, 8]  # the start-up probe (2 dummy completions), then one batch of 8
+    by_gid = {s.group.group_id: s for s in scored}
+    assert sorted(by_gid) == ["0:1", "0:2"]
+    parts = by_gid["0:1"].reward_parts
+    np.testing.assert_array_equal(parts["accuracy_reward"], [1, 0, 0, 1])
+    np.testing.assert_array_equal(parts["think_format_reward"], [1, 0, 1, 0])
+    np.testing.assert_array_equal(parts["target_reward"], [1, 1, 0, 1])
+    np.testing.assert_array_equal(by_gid["0:2"].reward_parts["target_reward"], [0, 0, 1, 0])
+    assert by_gid["0:1"].group.prompt["text"] == CONV  # the conversation crossed the wire
+
+
+def test_a_failing_batch_is_retried_per_group_so_one_bad_group_sinks_alone(
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> None:
+    cfg = _hf_config(tmp_path, run_name, redis_server.url, "bus.max_deliveries=1")
+    texts = ("\\boxed{\\frac{1}{3}}", "x", "y", "z")
+    CALLS.clear()
+    scorer, (scored, dlq) = arun(_score_all(cfg, redis_server.url, run_name,
+                                            [_conv_group("0:1", "}", texts),
+                                             _conv_group("0:2", "boom", texts),
+                                             _conv_group("0:3", "z", texts)]))
+    assert CALLS[:4] == [2, 12, 4, 4] and len(CALLS) == 5  # probe, batch, then per group
+    assert sorted(s.group.group_id for s in scored) == ["0:1", "0:3"]
+    (dead,) = dlq
+    assert "raised RuntimeError('boom')" in dead[1][b"reason"].decode()
+    assert scorer.counts["reward_errors"] == 1 and scorer.counts["dead"] == 1
+
+
+def test_scorer_stops_at_start_when_a_reward_cannot_be_called(
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> None:
+    cfg = load_config(None, [f"run.name={run_name}", f"run.output_dir={tmp_path}",
+                             f"bus.redis_url={redis_server.url}",
+                             f"scoring.rewards=[{{fn='{__name__}:target_reward'}}]"])
+    with pytest.raises(ConfigError, match=(
+            r"scoring.rewards.0.fn 'tests.integration.test_scorer:target_reward': TypeError: "
+            r"target_reward\(\) missing 1 required keyword-only argument: 'target'")):
+        arun(Scorer(cfg, "s1").run(asyncio.Event()))

@@ -206,6 +206,23 @@ def set_at(i: int, value: float) -> Callable[[np.ndarray], np.ndarray]:
 # ---------------------------------------------------------------- round trips
 
 
+def test_conversational_prompt_and_nested_columns_round_trip() -> None:
+    """A TRL conversational prompt and list/map/None columns travel unchanged."""
+    g = make_group()
+    g.prompt = {"text": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "2+2?"}]}],
+                "solution": "4", "tags": ["math", None], "meta": {"level": 2, "ok": True}}
+    out = decode(encode(g), Limits(vocab_size=VOCAB))
+    assert isinstance(out, RolloutGroup) and out.prompt == g.prompt
+
+
+def test_prompt_nested_too_deep_is_rejected() -> None:
+    deep: Any = "x"
+    for _ in range(20):
+        deep = [deep]
+    reject("rollout", put("prompt", "n", value=deep), r"prompt\.n.*nested deeper than 16")
+
+
 @pytest.mark.parametrize("kind", list(MAKERS))
 def test_decode_of_encode_equals_original_field_by_field(kind: str) -> None:
     msg = MAKERS[kind]()
@@ -393,7 +410,13 @@ def test_missing_field_is_rejected_and_named(kind: str, path: tuple[Any, ...], m
         ("rollout", ("ro", 0, "ids"), [10, 11, 12, 1], r"ids: expected bytes, got list"),
         ("rollout", ("ro", 0, "fin"), 1, r"fin: expected str, got int"),
         ("rollout", ("prompt",), ["copy"], r"prompt: expected dict, got list"),
-        ("rollout", ("prompt", "text"), [1], r"prompt: keys must be str and values scalars"),
+        ("rollout", ("prompt", "text"), [1], r"prompt\.text\[0\]: a message needs a str role"),
+        ("rollout", ("prompt", "text"), [{"role": "user"}], r"prompt\.text\[0\]: a message"),
+        ("rollout", ("prompt", "text"), [{"role": 1, "content": "x"}], r"text\[0\]: a message"),
+        ("rollout", ("prompt", "text"), [], r"prompt\.text: empty conversation"),
+        ("rollout", ("prompt", "text"), 5, r"prompt\.text: expected a string or a list"),
+        ("rollout", ("prompt", "n"), b"raw", r"prompt\.n: bytes is not a prompt value"),
+        ("rollout", ("prompt", "n"), {"a": [float("nan")]}, r"prompt\.n\.a\[0\]: not finite"),
         ("rollout", ("prompt", "w"), float("inf"), r"prompt\.w: not finite"),
         ("scored", ("scorer",), 1, r"scorer: expected str, got int"),
         ("scored", ("parts",), [], r"parts: expected dict, got list"),

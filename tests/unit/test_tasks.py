@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
-import types
 from pathlib import Path
 
 import msgpack
@@ -19,7 +17,6 @@ from workers.tasks import (
     ReverseTask,
     Task,
     epoch_order,
-    load_hf_dataset,
     make_task,
     prompt_for_cursor,
 )
@@ -128,26 +125,26 @@ def _write_jsonl(path: Path, rows: list[object]) -> Path:
 
 
 def test_jsonl_task_loads_splits_and_keeps_scalars(tmp_path: Path) -> None:
-    rows = [
-        {"prompt": f"q{i}", "answer": i, "level": "easy", "tags": ["x"], "text": "dropped"}
-        for i in range(400)
-    ]
+    rows = [{"prompt": f"q{i}", "answer": i, "level": "easy", "tags": ["x", None]}
+            for i in range(400)]
     task = JsonlTask(_write_jsonl(tmp_path / "d.jsonl", rows), heldout_fraction=0.25)
     train, held = _all_prompts(task), task.heldout(1000)
     assert len(train) + len(held) == 400
     assert 40 < len(held) < 160  # hash split: 25% in expectation
     assert not {p["text"] for p in train} & {p["text"] for p in held}
     p = train[0]
-    assert set(p) == {"text", "answer", "level"}
-    assert p["answer"] == p["text"][1:] and p["level"] == "easy"
+    assert set(p) == {"text", "answer", "level", "tags"}  # lists travel too
+    assert p["answer"] == p["text"][1:] and p["level"] == "easy" and p["tags"] == ["x", None]
     again = JsonlTask(tmp_path / "d.jsonl", heldout_fraction=0.25)
     assert _all_prompts(again) == train and again.heldout(1000) == held
 
 
 def test_jsonl_custom_fields_and_blank_lines(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "d.jsonl", [{"q": "2+2", "a": "4"}, "", {"q": "1+1", "a": "2"}])
-    task = JsonlTask(path, text_field="q", answer_field="a", heldout_fraction=0.0)
-    assert _all_prompts(task) == [{"text": "2+2", "answer": "4"}, {"text": "1+1", "answer": "2"}]
+    task = JsonlTask(path, prompt_column="q", answer_column="a", heldout_fraction=0.0)
+    # the answer column also travels under its own name (a reward may ask for `a`)
+    assert _all_prompts(task) == [{"text": "2+2", "a": "4", "answer": "4"},
+                                  {"text": "1+1", "a": "2", "answer": "2"}]
     assert task.heldout(5) == []
 
 
@@ -156,10 +153,12 @@ def test_jsonl_custom_fields_and_blank_lines(tmp_path: Path) -> None:
     [
         ("{not json", "invalid JSON"),
         ('["a list"]', "expected a JSON object"),
-        ('{"answer": "1"}', "missing field 'prompt'"),
-        ('{"prompt": "x"}', "missing field 'answer'"),
-        ('{"prompt": 3, "answer": "1"}', "'prompt' must be a string"),
-        ('{"prompt": "x", "answer": null}', "'answer' must be a string or a number"),
+        ('{"answer": "1"}', r"task.prompt_column: no column 'prompt'; columns: \['answer'\]"),
+        ('{"prompt": 3, "answer": "1"}', "'prompt': a prompt must be a string or a list"),
+        ('{"prompt": [{"content": "x"}]}', r"'prompt'\[0\]: message has no string 'role'"),
+        ('{"prompt": "x", "answer": [1]}', "'answer' must hold strings or numbers"),
+        ('{"prompt": "x", "text": "y"}', r"\['text'\] clash with names sluice sets"),
+        ('{"prompt": "x", "completions": 1}', r"\['completions'\] clash"),
     ],
 )
 def test_jsonl_errors_name_file_and_line(tmp_path: Path, bad: str, message: str) -> None:
@@ -175,28 +174,6 @@ def test_jsonl_empty_file_is_an_error(tmp_path: Path) -> None:
         JsonlTask(tmp_path / "e.jsonl")
 
 
-def test_load_hf_dataset_without_datasets_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(ImportError, match="optional 'datasets' package"):
-        load_hf_dataset("/nonexistent")
-
-
-def test_load_hf_dataset_reads_local_saved_dataset(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake = types.ModuleType("datasets")
-    rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(20)]
-    fake.load_from_disk = lambda path: {"train": rows}  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "datasets", fake)
-    (tmp_path / "dataset_dict.json").write_text("{}")
-    task = load_hf_dataset(tmp_path, "train", heldout_fraction=0.0)
-    assert _all_prompts(task) == [{"text": r["prompt"], "answer": r["answer"]} for r in rows]
-    with pytest.raises(ValueError, match="no split 'test'"):
-        load_hf_dataset(tmp_path, "test")
-    with pytest.raises(FileNotFoundError, match="never downloads"):
-        load_hf_dataset("some-org/some-hub-dataset")
-
-
 def test_make_task(tmp_path: Path) -> None:
     task = make_task("copy", seed=1, num_prompts=50)
     assert isinstance(task, CopyTask) and len(task) == 50
@@ -206,7 +183,7 @@ def test_make_task(tmp_path: Path) -> None:
     assert len(make_task("jsonl", seed=0, num_prompts=1, path=str(path))) == 1
     with pytest.raises(ValueError, match="known tasks: copy, reverse, add, jsonl, hf"):
         make_task("nope", seed=0, num_prompts=1)
-    with pytest.raises(ValueError, match="needs a path"):
+    with pytest.raises(ValueError, match="needs data"):
         make_task("jsonl", seed=0, num_prompts=1)
     with pytest.raises(ValueError, match="takes no path"):
         make_task("copy", seed=0, num_prompts=1, path=str(path))

@@ -1,0 +1,24 @@
+"""`sluice up`'s progress line: reward errors and dead letters are shown, not hidden."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.config import load_config
+from pipeline.up import Supervisor, status_line
+
+
+def _snap(scorers: dict[str, dict[str, Any]], dlq: int) -> dict[str, Any]:
+    return {"workers": {**scorers, "trainer/trainer-0": {"step": 3}},
+            "lengths": {"rollouts": 4, "scored": 0, "control": 2, "dlq": dlq},
+            "state": {"version": 3},
+            "conservation": {"cursor": 10, "retired": 6, "generating": 0, "balanced": True}}
+
+
+def test_status_line_sums_reward_errors_over_scorers_and_counts_the_dlq() -> None:
+    sup = Supervisor(load_config(None), "run.toml", [])
+    s = status_line(sup, _snap({"scorer/scorer-0": {"reward_errors": 2, "dead": 1},
+                                "scorer/scorer-1": {"reward_errors": 3}}, dlq=4))
+    assert s["reward_errors"] == 5 and s["dlq"] == 4 and s["step"] == 3
+    quiet = status_line(sup, _snap({"scorer/scorer-0": {}}, dlq=0))
+    assert quiet["reward_errors"] == 0 and quiet["dlq"] == 0
