@@ -139,9 +139,10 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["copy", "reverse", "add", "jsonl", "hf"] = "copy"
-    """Built-in task (copy, reverse, add), `jsonl` (a JSONL file: `path`) or `hf` (any
-    dataset `datasets` loads: `dataset`)."""
+    name: Literal["copy", "reverse", "add", "jsonl", "hf", "reasoning_gym"] = "copy"
+    """Built-in task (copy, reverse, add), `jsonl` (a JSONL file: `path`), `hf` (any
+    dataset `datasets` loads: `dataset`) or `reasoning_gym` (`dataset` names one of
+    reasoning-gym's procedural datasets, generated offline; its verifier is the reward)."""
     path: str = ""
     """Data file of the `jsonl` task (one JSON object per line, columns as `hf`'s)."""
     dataset: str = ""
@@ -151,15 +152,30 @@ class TaskConfig(_Section):
     split: str = "train"
     """`hf` task: the training split (slices such as ``train[:1000]`` work except for
     `save_to_disk` folders)."""
+    dataset_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the dataset: `datasets.load_dataset`'s for `hf` (``{name =
+    "main"}`` picks a configuration, as GSM8K's), reasoning-gym's `create_dataset`'s for
+    `reasoning_gym` (``{min_word_len = 3}``)."""
     eval_split: str = ""
     """Split of held-out prompts (minus duplicates and training prompts); empty = a stable
     hash split of `split` (about 5%)."""
+    eval_dataset: str = ""
+    """`hf`: held-out prompts from a dataset or data file of their own (same columns;
+    its `eval_split`, default "train") instead of from `dataset`."""
     prompt_column: str = Field("prompt", min_length=1)
     """Column holding the prompt: a string, or a conversation ``[{role, content}, …]``
     (TRL's conversational format, rendered with the chat template)."""
     answer_column: str = ""
     """Column holding the reference answer, also passed to rewards as ``answer`` (empty =
     the column `answer` if any). Every column reaches rewards under its own name anyway."""
+    rename_columns: dict[str, str] = Field(default_factory=dict)
+    """`hf`: columns renamed after loading (old = new), as `Dataset.rename_columns`, e.g.
+    ``{answer = "solution"}`` for a reward that reads `solution` (TRL's accuracy_reward);
+    the column keys above name the new names."""
+    conversational: bool = False
+    """`hf`: a string prompt becomes one user message, so rewards get prompts and
+    completions as message lists (TRL's conversational format, which e.g. TRL's
+    accuracy_reward expects)."""
     system_prompt: str = ""
     """Prepended as a system message when a prompt is rendered with the chat template
     (not to a conversation that has one); rewards see the prompt as in the data."""
@@ -177,6 +193,9 @@ class TaskConfig(_Section):
             raise ValueError("task.dataset: the hf task needs a dataset (hub id or path)")
         if self.name == "jsonl" and not (self.path or self.dataset):
             raise ValueError("task.path: the jsonl task needs a JSONL file")
+        if self.name == "reasoning_gym" and not self.dataset:
+            raise ValueError("task.dataset: the reasoning_gym task needs a reasoning-gym "
+                             "dataset name, e.g. spell_backward")
         if self.name in ("copy", "reverse", "add") and (self.path or self.dataset):
             key = "task.path" if self.path else "task.dataset"
             raise ValueError(f"{key}: task {self.name!r} is procedural and reads no data")

@@ -79,8 +79,10 @@ def check_value(value: Any, where: str, depth: int = 0) -> None:
 
 
 def row_to_prompt(row: Mapping[str, Any], where: str, prompt_column: str = "prompt",
-                  answer_column: str = "") -> Prompt:
-    """One row as a prompt dict (module docstring). ``ValueError`` naming the row."""
+                  answer_column: str = "", conversational: bool = False) -> Prompt:
+    """One row as a prompt dict (module docstring). ``conversational``: a string prompt
+    becomes one user message, so rewards get prompts and completions as message lists
+    (TRL's conversational format). ``ValueError`` naming the row."""
     if not isinstance(row, Mapping):
         raise ValueError(f"{where}: expected a JSON object (a row), got {type(row).__name__}")
     for key, column in (("task.prompt_column", prompt_column),
@@ -96,7 +98,10 @@ def row_to_prompt(row: Mapping[str, Any], where: str, prompt_column: str = "prom
         raise ValueError(f"{where}: column(s) {clashes} clash with names sluice sets itself "
                          "(text = the prompt, answer = task.answer_column, and the keywords "
                          "of a reward call); rename or drop them")
-    prompt: Prompt = {"text": check_prompt(row[prompt_column],
+    text = row[prompt_column]
+    if conversational and isinstance(text, str):
+        text = [{"role": "user", "content": text}]
+    prompt: Prompt = {"text": check_prompt(text,
                                            f"{where}: task.prompt_column {prompt_column!r}")}
     for key, value in row.items():
         if key == prompt_column:
@@ -234,6 +239,8 @@ def _load(dataset: str, key: str, *args: Any, **kwargs: Any) -> Any:
         return datasets.load_dataset(*args, **kwargs)
     except StopIteration:  # the json builder on an empty file
         raise ValueError(f"{key}: {dataset} has no rows") from None
+    except TypeError as e:  # an argument of task.dataset_args the builder does not take
+        raise ValueError(f"task.dataset_args: {dataset}: {e}") from None
     except ValueError as e:
         if "corresponds to no data" in str(e):
             raise ValueError(f"{key}: split {kwargs.get('split')!r} of {dataset} is empty"
@@ -246,12 +253,21 @@ def _load(dataset: str, key: str, *args: Any, **kwargs: Any) -> Any:
                          ) from None
 
 
-def load_split(dataset: str, split: str, key: str = "task.split") -> Any:
+def load_split(dataset: str, split: str, key: str = "task.split",
+               args: Mapping[str, Any] | None = None) -> Any:
     """One split of a dataset as a ``datasets.Dataset``: a ``save_to_disk`` folder
     (``load_from_disk``; a single saved Dataset is split ``train``), a data file, a folder
     of data files, or a hub id (through the HF cache; slices such as ``train[:1000]`` work
-    except for saved folders). Errors name ``task.dataset`` or ``key``."""
+    except for saved folders). ``args`` go to ``datasets.load_dataset`` (``task.
+    dataset_args``: e.g. ``name`` = a configuration such as GSM8K's "main"). Errors name
+    ``task.dataset`` or ``key``."""
     import datasets
+
+    args = dict(args or {})
+    for reserved in ("path", "split"):
+        if reserved in args:
+            raise ValueError(f"task.dataset_args: {reserved!r} is set by task.dataset / "
+                             "task.split")
 
     path = os.path.expanduser(dataset)
     if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f))
@@ -261,6 +277,8 @@ def load_split(dataset: str, split: str, key: str = "task.split") -> Any:
         except Exception as e:
             raise ValueError(f"task.dataset: cannot load the saved dataset {dataset}: "
                              f"{type(e).__name__}: {e}") from None
+        if args:
+            raise ValueError("task.dataset_args: a save_to_disk folder takes no arguments")
         splits = dict(saved) if isinstance(saved, Mapping) else {"train": saved}
         if split not in splits:
             raise ValueError(f"{key}: no split {split!r} in {dataset}; have {sorted(splits)}")
@@ -270,13 +288,15 @@ def load_split(dataset: str, split: str, key: str = "task.split") -> Any:
         if builder is None:
             raise ValueError(f"task.dataset: {dataset}: unsupported file type; use one of "
                              f"{sorted(_FILE_BUILDERS)}")
-        return _load(dataset, key, builder, data_files=path, split=split)
+        return _load(dataset, key, builder, data_files=path, split=split, **args)
     if os.path.isdir(path):
-        return _load(dataset, key, path, split=split)
+        return _load(dataset, key, path, split=split, **args)
     if path.startswith((".", "/", "~")) or path.count("/") > 1:
         raise ValueError(f"task.dataset: {dataset}: no such file or directory")
     try:
-        return datasets.load_dataset(dataset, split=split)
+        return datasets.load_dataset(dataset, split=split, **args)
+    except TypeError as e:  # an argument load_dataset or the builder does not take
+        raise ValueError(f"task.dataset_args: {e}") from None
     except ValueError as e:
         if "split" in str(e).lower():
             raise ValueError(f"{key}: {dataset}: {e}") from None
@@ -290,23 +310,39 @@ def load_split(dataset: str, split: str, key: str = "task.split") -> Any:
 
 def load_hf_task(dataset: str, split: str = "train", *, eval_split: str = "",
                  prompt_column: str = "prompt", answer_column: str = "",
-                 heldout_fraction: float = 0.05) -> RecordsTask:
-    """The ``hf`` task (module docstring). ``eval_split`` empty = a hash split of
-    ``split``."""
+                 heldout_fraction: float = 0.05, eval_dataset: str = "",
+                 dataset_args: Mapping[str, Any] | None = None,
+                 rename_columns: Mapping[str, str] | None = None,
+                 conversational: bool = False) -> RecordsTask:
+    """The ``hf`` task (module docstring). Held-out prompts: ``eval_split`` of
+    ``eval_dataset`` (a file or dataset of their own, same columns; split "train" when
+    ``eval_split`` is empty), else ``eval_split`` of ``dataset``, else a hash split of
+    ``split``. ``dataset_args`` and ``rename_columns`` (old -> new name, before the column
+    keys are looked up) apply to both datasets."""
+    if eval_dataset and not eval_split:
+        eval_split = "train"
     parts = {"task.split": split, **({"task.eval_split": eval_split} if eval_split else {})}
     rows: dict[str, list[Prompt]] = {}
     for key, name in parts.items():
-        ds = load_split(dataset, name, key)
+        source = eval_dataset if key == "task.eval_split" and eval_dataset else dataset
+        ds = load_split(source, name, key, dataset_args)
+        if rename_columns:
+            missing = sorted(set(rename_columns) - set(ds.column_names))
+            if missing:
+                raise ValueError(f"task.rename_columns: no column {missing} in {source}"
+                                 f"[{name}]; columns: {list(ds.column_names)}")
+            ds = ds.rename_columns(dict(rename_columns))
         columns = list(ds.column_names)
         for ckey, column in (("task.prompt_column", prompt_column),
                              ("task.answer_column", answer_column)):
             if column and column not in columns:
-                raise ValueError(f"{ckey}: no column {column!r} in {dataset}[{name}]; "
+                raise ValueError(f"{ckey}: no column {column!r} in {source}[{name}]; "
                                  f"columns: {columns}")
         if len(ds) == 0:
-            raise ValueError(f"{key}: split {name!r} of {dataset} is empty")
-        rows[key] = [row_to_prompt(r, f"{dataset}[{name}] row {i}", prompt_column,
-                                   answer_column) for i, r in enumerate(ds.to_list())]
+            raise ValueError(f"{key}: split {name!r} of {source} is empty")
+        rows[key] = [row_to_prompt(r, f"{source}[{name}] row {i}", prompt_column,
+                                   answer_column, conversational)
+                     for i, r in enumerate(ds.to_list())]
     task = RecordsTask(rows["task.split"], source=f"{dataset}[{split}]", name="hf",
                        heldout_fraction=heldout_fraction,
                        heldout_prompts=rows.get("task.eval_split"))

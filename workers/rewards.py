@@ -33,6 +33,7 @@ import importlib
 import inspect
 import math
 import numbers
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -114,6 +115,15 @@ def exact_match(*, completions: Sequence[Any], answer: Sequence[Any] | None = No
 def format_reward(*, completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
     """1.0 iff the completion is one or more ASCII digits, else 0.0."""
     return [float(c.isascii() and c.isdigit()) for c in _texts(completions)]
+
+
+_BOXED = re.compile(r"\\boxed\{[^{}]*\}")
+
+
+def boxed_format_reward(*, completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+    """1.0 iff the completion gives exactly one ``\\boxed{...}`` answer (what math-verify's
+    accuracy reward extracts first), else 0.0: a format reward for math recipes."""
+    return [float(len(_BOXED.findall(c)) == 1) for c in _texts(completions)]
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,7 @@ _PROCEDURAL: dict[str, type[_DigitStringTask] | type[AddTask]] = {
     "reverse": ReverseTask,
     "add": AddTask,
 }
-TASK_NAMES: tuple[str, ...] = (*_PROCEDURAL, "jsonl", "hf")
+TASK_NAMES: tuple[str, ...] = (*_PROCEDURAL, "jsonl", "hf", "reasoning_gym")
 
 
 def make_task(
@@ -223,6 +223,10 @@ def make_task(
     eval_split: str = "",
     prompt_column: str = "prompt",
     answer_column: str = "",
+    dataset_args: dict[str, Any] | None = None,
+    eval_dataset: str = "",
+    rename_columns: dict[str, str] | None = None,
+    conversational: bool = False,
 ) -> Task:
     """Build a task by name. ``num_prompts``/``seed`` shape procedural tasks only; data
     tasks (``jsonl``: a JSONL file; ``hf``: anything ``workers.data.load_split`` loads)
@@ -238,7 +242,16 @@ def make_task(
         if key == "jsonl":
             return JsonlTask(path, prompt_column=prompt_column, answer_column=answer_column)
         return load_hf_task(path, split, eval_split=eval_split, prompt_column=prompt_column,
-                            answer_column=answer_column)
+                            answer_column=answer_column, eval_dataset=eval_dataset,
+                            dataset_args=dataset_args, rename_columns=rename_columns,
+                            conversational=conversational)
+    if key == "reasoning_gym":
+        from workers.rgym import ReasoningGymTask
+
+        if not path:
+            raise ValueError("task.dataset: the reasoning_gym task needs a dataset name")
+        return ReasoningGymTask(path, num_prompts=num_prompts, seed=seed,
+                                dataset_args=dataset_args)
     raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}")
 
 
@@ -251,7 +264,9 @@ def task_from_config(cfg: Any, tokenizer: Any = None) -> Task:
     task = make_task(t.name, seed=cfg.run.seed, num_prompts=t.num_prompts,
                      path=(t.dataset or t.path) or None, split=t.split,
                      eval_split=t.eval_split, prompt_column=t.prompt_column,
-                     answer_column=t.answer_column)
+                     answer_column=t.answer_column, dataset_args=t.dataset_args,
+                     eval_dataset=t.eval_dataset, rename_columns=t.rename_columns,
+                     conversational=t.conversational)
     if tokenizer is not None:
         render_prompt(tokenizer, task.prompt(0)["text"], t.system_prompt)  # fails at start
         if t.max_prompt_tokens:

@@ -243,3 +243,12 @@ def test_lora_section_and_its_keys_are_validated() -> None:
         load_config(None, ["model.lora.rank=0"])
     with pytest.raises(ConfigError, match=r"model\.lora\.ranks: unknown key"):
         load_config(None, ["model.lora.ranks=4"])
+
+
+def test_every_example_config_loads() -> None:
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.toml"))
+    assert len(examples) >= 4
+    for path in examples:
+        load_config(path)  # a key renamed or removed fails here, naming the key

@@ -128,3 +128,50 @@ def test_task_from_config_renders_conversations_and_drops_long_prompts(
                                    "task.max_prompt_tokens=2"])
     with pytest.raises(ValueError, match=r"task.max_prompt_tokens: all .* longer than 2"):
         task_from_config(too_short, chat_tokenizer)
+
+
+def test_an_eval_file_of_its_own_and_dataset_args(tmp_path: Path) -> None:
+    train = _jsonl(tmp_path / "train.jsonl", _rows(40))
+    held = _jsonl(tmp_path / "held.jsonl", _rows(60)[40:])  # 20 prompts never in training
+    task = load_hf_task(train, eval_dataset=held, answer_column="solution")
+    assert len(task) == 40  # no hash split: every training row trains
+    assert [p["solution"] for p in task.heldout(100)] == [str(2 * i) for i in range(40, 60)]
+    # dataset_args reach datasets.load_dataset; one it does not take names the key
+    cfg = load_config(None, ["task.name=hf", f"task.dataset={train}",
+                             "task.answer_column=solution", "task.dataset_args={nonsense=1}"])
+    with pytest.raises(ValueError, match=r"task\.dataset_args"):
+        task_from_config(cfg)
+    cfg = load_config(None, ["task.name=hf", f"task.dataset={train}",
+                             "task.dataset_args={split='x'}"])
+    with pytest.raises(ValueError, match=r"task\.dataset_args: 'split' is set by"):
+        task_from_config(cfg)
+
+
+def test_gsm8k_shaped_rows_reach_trls_accuracy_reward_unchanged(tmp_path: Path) -> None:
+    """The GPU recipe's data path on a local GSM8K-shaped file: `question`/`answer` columns,
+    the answer renamed to TRL's `solution`, string prompts made conversational."""
+    import asyncio
+
+    import numpy as np
+
+    from workers.rewards import load_reward, reward_matrix
+
+    pytest.importorskip("math_verify")
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = <<{i}+{i}={2 * i}>>"
+             f"{2 * i}.\n#### {2 * i}"} for i in range(1, 30)]
+    cfg = load_config(None, ["task.name=hf", f"task.dataset={_jsonl(tmp_path / 'g.jsonl', rows)}",
+                             "task.prompt_column=question", "task.answer_column=solution",
+                             "task.rename_columns={answer='solution'}",
+                             "task.conversational=true"])
+    p = task_from_config(cfg).prompt(0)
+    assert p["text"] == [{"role": "user", "content": p["text"][0]["content"]}]
+    assert p["solution"].endswith("#### " + p["answer"].rsplit(" ", 1)[1])
+    gold = p["solution"].rsplit(" ", 1)[1]
+    acc = load_reward("trl.rewards:accuracy_reward")
+    m = asyncio.run(reward_matrix([acc], [p, p], [f"so \\boxed{{{gold}}}", "\\boxed{-1}"],
+                                  [[1], [1]], ["stop", "stop"], timeout_s=30))
+    assert np.array_equal(m[:, 0], [1.0, 0.0])
+    bad = load_config(None, ["task.name=hf", f"task.dataset={tmp_path / 'g.jsonl'}",
+                             "task.prompt_column=question", "task.rename_columns={ans='x'}"])
+    with pytest.raises(ValueError, match=r"task\.rename_columns: no column \['ans'\]"):
+        task_from_config(bad)

@@ -267,3 +267,11 @@ def test_a_hung_sync_reward_times_out_without_keeping_the_process() -> None:
     problem = asyncio.run(probe_reward(RewardFn("hung", hung), {"text": "p"}, 0.2))
     assert problem == "timed out after 0.2s" and time.monotonic() - t0 < 5
     release.set()
+
+
+def test_boxed_format_reward_wants_exactly_one_boxed_answer() -> None:
+    from workers.rewards import boxed_format_reward
+
+    got = boxed_format_reward(completions=["so \\boxed{72}", "72", "\\boxed{1} \\boxed{2}",
+                                           [{"role": "assistant", "content": "\\boxed{x}"}]])
+    assert got == [1.0, 0.0, 0.0, 1.0]
