@@ -16,6 +16,7 @@ A stream entry holds one field, ``m``, with the encoded message.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
@@ -211,39 +212,43 @@ def _candidates(m: dict[str, Any], ids: np.ndarray, where: str,
 _MAX_PROMPT_DEPTH = 16
 
 
-def _prompt_value(x: Any, where: str, depth: int = 0) -> None:
-    """A prompt column: a scalar, None, or lists / string-keyed maps of these."""
+def check_prompt_value(x: Any, where: str, depth: int = 0) -> None:
+    """A prompt column that can travel on the wire: a scalar, None, or lists (tuples) and
+    string-keyed maps of these, at most 16 levels deep; floats finite. The one rule for
+    what a dataset row may carry (`workers.data`) and what a decoded message may hold.
+    Raises `DecodeError` (a ValueError) naming ``where``."""
     if depth > _MAX_PROMPT_DEPTH:
         raise DecodeError(f"{where}: nested deeper than {_MAX_PROMPT_DEPTH} levels")
     if x is None or isinstance(x, str | int | bool):
         return
     if isinstance(x, float):
         if not math.isfinite(x):
-            raise DecodeError(f"{where}: not finite")
+            raise DecodeError(f"{where}: not finite ({x})")
         return
-    if isinstance(x, list):
+    if isinstance(x, list | tuple):
         for i, v in enumerate(x):
-            _prompt_value(v, f"{where}[{i}]", depth + 1)
+            check_prompt_value(v, f"{where}[{i}]", depth + 1)
         return
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):
         for k, v in x.items():
             if not isinstance(k, str):
-                raise DecodeError(f"{where}: map keys must be str")
-            _prompt_value(v, f"{where}.{k}", depth + 1)
+                raise DecodeError(f"{where}: map keys must be str, got {type(k).__name__}")
+            check_prompt_value(v, f"{where}.{k}", depth + 1)
         return
-    raise DecodeError(f"{where}: {type(x).__name__} is not a prompt value")
+    raise DecodeError(f"{where}: {type(x).__name__} is not a prompt value (strings, numbers, "
+                      "booleans, None, lists and maps only)")
 
 
 def _decode_prompt(v: Any, where: str) -> dict[str, Any]:
     """The prompt dict: string keys; ``text`` (if present) a string or a conversation
     (non-empty list of maps with a str ``role`` and a str-or-list ``content``); other
-    values JSON-like (`_prompt_value`)."""
+    values JSON-like (`check_prompt_value`)."""
     if not isinstance(v, dict):
         raise DecodeError(f"{where}.prompt: expected a map")
     for k, x in v.items():
         if not isinstance(k, str):
             raise DecodeError(f"{where}.prompt: keys must be str")
-        _prompt_value(x, f"{where}.prompt.{k}")
+        check_prompt_value(x, f"{where}.prompt.{k}")
     text = v.get("text", "")
     if isinstance(text, list):
         if not text:

@@ -291,7 +291,6 @@ def build_bpe_model(out: Path, *, seed: int = 0) -> Path:
     """A tiny Qwen2 with tied embeddings and a real byte-level BPE tokenizer trained here
     (`tokenizers`, a few hundred strings of the copy task) with a ChatML chat template:
     the shape of a real instruct model (Qwen2.5-0.5B-Instruct) at a test's size."""
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -313,18 +312,12 @@ def build_bpe_model(out: Path, *, seed: int = 0) -> Path:
                       max_position_embeddings=256, tie_word_embeddings=True,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                       bos_token_id=None, dtype="float32")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(cfg)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return _save_model(Qwen2ForCausalLM, cfg, tok, out, seed)
 
 
 def build_slow_tokenizer_model(out: Path, *, seed: int = 0) -> Path:
     """A tiny Llama whose tokenizer is a slow (pure Python, `PythonBackend`) one: ByT5's
     byte tokenizer, which has no fast counterpart and no vocabulary file."""
-    import torch
     from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = ByT5Tokenizer(extra_ids=0)
@@ -332,9 +325,17 @@ def build_slow_tokenizer_model(out: Path, *, seed: int = 0) -> Path:
                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                       max_position_embeddings=256, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, bos_token_id=None, dtype="float32")
+    return _save_model(LlamaForCausalLM, cfg, tok, out, seed)
+
+
+def _save_model(cls: Any, cfg: Any, tok: Any, out: Path, seed: int) -> Path:
+    """A random-init ``cls(cfg)`` (seeded, the caller's RNG untouched) and ``tok`` saved
+    as an HF folder at ``out``."""
+    import torch
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg)
+        model = cls(cfg)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

@@ -35,12 +35,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import operator
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from pipeline.codec import check_prompt_value
 from workers.prompts import check_prompt
 
 log = logging.getLogger("sluice.data")
@@ -50,33 +50,6 @@ Prompt = dict[str, Any]
 RESERVED_COLUMNS = frozenset({"finish_reason", "prompts", "completions", "completion_ids",
                               "trainer_state", "log_extra", "log_metric", "environments"})
 """Names a reward call passes itself (TRL's keywords, plus sluice's ``finish_reason``)."""
-
-_MAX_DEPTH = 16
-
-
-def check_value(value: Any, where: str, depth: int = 0) -> None:
-    """Raise ``ValueError`` unless ``value`` can travel in a prompt dict on the wire."""
-    if depth > _MAX_DEPTH:
-        raise ValueError(f"{where}: nested deeper than {_MAX_DEPTH} levels")
-    if value is None or isinstance(value, str | bool | int):
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{where}: not finite ({value})")
-        return
-    if isinstance(value, list | tuple):
-        for i, x in enumerate(value):
-            check_value(x, f"{where}[{i}]", depth + 1)
-        return
-    if isinstance(value, Mapping):
-        for k, x in value.items():
-            if not isinstance(k, str):
-                raise ValueError(f"{where}: map keys must be strings, got {type(k).__name__}")
-            check_value(x, f"{where}.{k}", depth + 1)
-        return
-    raise ValueError(f"{where}: a {type(value).__name__} cannot travel on the wire (strings, "
-                     "numbers, booleans, None, lists and maps only); drop the column")
-
 
 def row_to_prompt(row: Mapping[str, Any], where: str, prompt_column: str = "prompt",
                   answer_column: str = "", conversational: bool = False) -> Prompt:
@@ -108,7 +81,7 @@ def row_to_prompt(row: Mapping[str, Any], where: str, prompt_column: str = "prom
             continue
         if not isinstance(key, str):
             raise ValueError(f"{where}: column names must be strings, got {key!r}")
-        check_value(value, f"{where}: column {key!r}")
+        check_prompt_value(value, f"{where}: column {key!r}")
         prompt[key] = list(value) if isinstance(value, tuple) else value
     answer_key = answer_column or "answer"
     if answer_key in row:

@@ -84,7 +84,7 @@ async def evaluate(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]]
 def eval_vllm_engine(cfg: Config) -> Engine:
     """A `VLLMEngine` over the evaluator's own servers (``eval.vllm_urls``); LoRA adapters
     are named ``<run>-eval-v<N>`` so they can never be taken for a generator's."""
-    from workers.engines.vllm import VLLMEngine
+    from workers.engines.vllm import VLLMEngine, model_aliases
 
     v = cfg.generation.vllm
     lora = cfg.model.lora is not None
@@ -93,7 +93,7 @@ def eval_vllm_engine(cfg: Config) -> Engine:
                       max_inflight=v.max_inflight, request_attempts=v.request_attempts,
                       backoff_max_s=v.backoff_max_s, metrics_interval_s=v.metrics_interval_s,
                       lora_prefix=f"{cfg.run.name}-eval" if lora else "",
-                      keep_adapters=1 if lora else 0)
+                      keep_adapters=1 if lora else 0, model_aliases=model_aliases(cfg))
 
 
 class Evaluator:

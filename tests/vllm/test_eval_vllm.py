@@ -39,3 +39,30 @@ def test_eval_on_vllm_equals_eval_in_process_for_a_new_version(
                                 REWARDS))
     assert got == want
     assert 0.0 < got["reward"] < 1.0  # a real score, not an empty or saturated one
+
+
+def test_a_server_serving_the_model_under_its_hub_id_is_accepted(
+        vllm_server: VLLMServer) -> None:
+    """`vllm serve org/name` serves the hub id; sluice's model is the pinned snapshot
+    folder. The engine accepts the server by the alias (run.json's source) and sends
+    requests under the server's name; without the alias it refuses the server."""
+    from workers.engines.base import SamplingParams
+    from workers.engines.vllm import VLLMEngine
+
+    async def generate(aliases: tuple[str, ...]) -> int:
+        engine = VLLMEngine([vllm_server.url], "/snapshots/abc", seed=0,
+                            model_aliases=aliases)
+        await engine.start()
+        try:
+            out = await engine.generate([[10, 11, 66]], 2, SamplingParams(max_new_tokens=3))
+            return sum(len(c) for g in out for c in g)
+        finally:
+            await engine.close()
+
+    assert asyncio.run(generate((vllm_server.model,))) > 0
+    import pytest
+
+    from workers.engines.base import EngineError
+
+    with pytest.raises(EngineError, match=r"not '/snapshots/abc'"):
+        asyncio.run(generate(()))

@@ -59,6 +59,16 @@ PROBE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 SWAP_TIMEOUT = aiohttp.ClientTimeout(total=120.0)
 
 
+def model_aliases(cfg: Config) -> tuple[str, ...]:
+    """The model's hub id when ``model.path`` is a pinned snapshot of one (run.json), so a
+    server started as ``vllm serve org/name`` is accepted."""
+    from pipeline.rundir import read_run
+
+    saved = read_run(cfg.output_path) or {}
+    source = str(saved.get("model", {}).get("source") or "")
+    return (source,) if source and source != cfg.model.path else ()
+
+
 class VLLMEngine(WeightSync):
     """`Engine` over vLLM servers. One event loop; ``await start()`` first."""
 
@@ -68,12 +78,17 @@ class VLLMEngine(WeightSync):
                  timeout_s: float = 300.0, seed: int | None = None, max_inflight: int = 256,
                  request_attempts: int = 20, backoff_max_s: float = 10.0,
                  metrics_interval_s: float = 1.0, lora_prefix: str = "",
-                 keep_adapters: int = 0, nccl: bool = False) -> None:
+                 keep_adapters: int = 0, nccl: bool = False,
+                 model_aliases: tuple[str, ...] = ()) -> None:
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL")
         self.servers = [Server(u.rstrip("/"), ceiling=max_inflight, version=version)
                         for u in urls]
         self.model = model
+        # other names a server may serve the same base model under: a server the user
+        # started with `vllm serve org/name` serves the hub id, sluice's model is the
+        # pinned snapshot folder (pipeline.rundir)
+        self.model_aliases = tuple(a for a in model_aliases if a and a != model)
         self.version = version
         self.initial_version = version
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -99,6 +114,7 @@ class VLLMEngine(WeightSync):
         v = cfg.generation.vllm
         lora = cfg.model.lora is not None
         return cls(v.urls, str(Path(cfg.model.path).resolve()), seed=seed,
+                   model_aliases=model_aliases(cfg),
                    timeout_s=v.request_timeout_s, max_inflight=v.max_inflight,
                    request_attempts=v.request_attempts, backoff_max_s=v.backoff_max_s,
                    metrics_interval_s=v.metrics_interval_s,
@@ -155,9 +171,15 @@ class VLLMEngine(WeightSync):
     async def _check(self, s: Server) -> None:
         models = await self._call(s, "GET", "/v1/models")
         entries = {m["id"]: m for m in (models or {}).get("data", [])}
-        if self.model not in entries:
+        name = next((n for n in (self.model, *self.model_aliases) if n in entries), None)
+        if name is None:
             raise EngineError(f"{s.url} serves {sorted(entries)}, not {self.model!r}")
-        max_len = int(entries[self.model].get("max_model_len") or 0)
+        if name != self.model and s.served_name != name:
+            log.warning("%s serves the model as %r (sluice loads %s): make sure it runs the "
+                        "same revision; every published version replaces its weights",
+                        s.url, name, self.model)
+        s.served_name = name
+        max_len = int(entries[name].get("max_model_len") or 0)
         try:
             probe = await self._generate_once(s, [1], 1, PROBE_SAMPLING)
         except VLLMError as e:
@@ -258,11 +280,12 @@ class VLLMEngine(WeightSync):
         seed = self.rng.randrange(2**31)
         salt = f"v{s.version}"  # prefix-cache blocks never cross weight versions
         if s.completions_api:
-            body = {"model": model or self.model, "prompt": prompt, "n": n, "seed": seed,
+            body = {"model": model or s.served_name or self.model, "prompt": prompt, "n": n,
+                    "seed": seed,
                     "return_token_ids": True, "cache_salt": salt, **sampling}
             return await self._call(s, "POST", "/v1/completions", body)
         body = {"request_id": uuid.uuid4().hex, "token_ids": prompt, "cache_salt": salt,
-                "model": model or self.model, "output_mode": "tokens",
+                "model": model or s.served_name or self.model, "output_mode": "tokens",
                 "sampling_params": {"n": n, "seed": seed, **sampling}}
         return await self._call(s, "POST", "/inference/v1/generate", body)
 

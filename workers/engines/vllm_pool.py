@@ -39,6 +39,7 @@ class Server:
     inflight: int = 0
     healthy: bool = True
     completions_api: bool = False  # no /inference/v1/generate: /v1/completions fallback
+    served_name: str = ""  # the base model's name on this server ("" = the engine's model)
     max_model_len: int = 0
     metrics: ServerMetrics | None = None
     swaps: list[float] = field(default_factory=list)  # pause -> resume (or adapter load) s
