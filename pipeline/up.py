@@ -279,7 +279,9 @@ def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
         "reward_errors": sum(int(w.get("reward_errors", 0)) for w in scorers),
         "dlq": int(snap["lengths"].get("dlq") or 0),
         "step": tr.get("step", 0), "max_steps": sup.cfg.trainer.max_steps,
-        "reward": reward, "exact": exact,
+        "reward": reward,
+        "exact": exact if any("exact_match" in w.get("part_sums", {}) for w in scorers)
+        else None,  # sampled exact match, when the run records an exact_match reward
         "eval": ev.get("last", {}),
         "staleness": last.get("staleness_mean"), "groups_per_s": groups / elapsed,
         "gate": "open" if c["cursor"] - c["retired"] < window else "closed",
@@ -333,7 +335,8 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
                 reason = f"stop_at {target} reached"
                 break
             text = (f"step {s['step']}/{s['max_steps']}  reward {fmt(s['reward'])}  "
-                    f"exact {fmt(s['exact'])}  eval {shown} {fmt(s['eval'].get(shown))}  "
+                    + (f"exact {fmt(s['exact'])}  " if s["exact"] is not None else "")
+                    + f"eval {shown} {fmt(s['eval'].get(shown))}  "
                     f"stale {fmt(s['staleness'], '.2f')}  {s['groups_per_s']:.1f} groups/s  "
                     f"gate {s['gate']}"
                     + (f"  reward errors {s['reward_errors']}" if s["reward_errors"] else "")
