@@ -1,5 +1,5 @@
-"""`sluice up` with the vllm engine: it launches a real vLLM server, learns `copy`, and
-stops the server on exit."""
+"""`sluice up` with the vllm engine: it launches a real vLLM server for the generator and
+one for the evaluator, learns `copy`, and stops both servers on exit."""
 
 from __future__ import annotations
 
@@ -44,9 +44,13 @@ def test_sluice_up_with_vllm_learns_copy_and_stops_its_server(tmp_path: Path) ->
     assert max(m["staleness_max"] for m in metrics) <= 1
     gen_log = (out / "logs" / "generator-0.log").read_text()
     assert "engine vllm" in gen_log
-    # the server sluice up launched is gone: its port no longer answers
+    # the evaluator decoded on a vLLM server of its own, which sluice up launched too
+    eval_log = (out / "logs" / "evaluator.log").read_text()
+    assert "evaluator on engine vllm" in eval_log, eval_log[-2000:]
+    # both servers sluice up launched are gone: their ports no longer answer
     server_logs = list((out / "vllm").glob("vllm-*.log"))
-    assert len(server_logs) == 1
-    port = int(server_logs[0].stem.split("-")[1])
-    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
-        pass
+    assert len(server_logs) == 2, server_logs
+    for log in server_logs:
+        port = int(log.stem.split("-")[1])
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
