@@ -4,6 +4,7 @@ version (the server is left at model_a's weights, as tests/vllm/test_contract.py
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from pipeline.config import load_config
 from pipeline.model import load_model
@@ -42,19 +43,24 @@ def test_eval_on_vllm_equals_eval_in_process_for_a_new_version(
 
 
 def test_a_server_serving_the_model_under_its_hub_id_is_accepted(
-        vllm_server: VLLMServer) -> None:
+        vllm_server: VLLMServer, tmp_path: Path) -> None:
     """`vllm serve org/name` serves the hub id; sluice's model is the pinned snapshot
-    folder. The engine accepts the server by the alias (run.json's source) and sends
-    requests under the server's name; without the alias it refuses the server."""
+    folder (the same files elsewhere). The engine accepts the server by the alias
+    (run.json's source) and sends requests under the server's name; without the alias it
+    refuses the server."""
+    import shutil
+
     from workers.engines.base import SamplingParams
     from workers.engines.vllm import VLLMEngine
 
+    snapshot = shutil.copytree(vllm_server.model_dir, tmp_path / "snapshots" / "abc")
+
     async def generate(aliases: tuple[str, ...]) -> int:
-        engine = VLLMEngine([vllm_server.url], "/snapshots/abc", seed=0,
-                            model_aliases=aliases)
-        await engine.start()
+        engine = VLLMEngine([vllm_server.url], str(snapshot), seed=0, model_aliases=aliases)
         try:
-            out = await engine.generate([[10, 11, 66]], 2, SamplingParams(max_new_tokens=3))
+            await asyncio.wait_for(engine.start(), 120)
+            out = await asyncio.wait_for(
+                engine.generate([[10, 11, 66]], 2, SamplingParams(max_new_tokens=3)), 120)
             return sum(len(c) for g in out for c in g)
         finally:
             await engine.close()
@@ -64,5 +70,5 @@ def test_a_server_serving_the_model_under_its_hub_id_is_accepted(
 
     from workers.engines.base import EngineError
 
-    with pytest.raises(EngineError, match=r"not '/snapshots/abc'"):
+    with pytest.raises(EngineError, match=r"serves .* not '.*snapshots/abc'"):
         asyncio.run(generate(()))
