@@ -159,6 +159,23 @@ def up_args(config: Path, out: Path, model: Path, name: str, *sets: str) -> list
     return [*args, "--eval-every", "5"]
 
 
+def run_up(args: list[str], out: Path, cwd: Path, timeout_s: float,
+           env: dict[str, str] | None = None, drop_env: tuple[str, ...] = ()
+           ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """Run ``sluice up`` (``args`` from `up_args`) to its end as a real process; assert it
+    exited 0 (the failure message carries its output and every role's log tail) and
+    return (the process, its ``summary.json``)."""
+    import json
+
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    for key in drop_env:
+        full.pop(key, None)
+    proc = subprocess.run(args, cwd=cwd, env=full, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
+    return proc, json.loads((out / "summary.json").read_text())
+
+
 def role_logs(out: Path) -> str:
     """The tail of every role's log in a run directory (for assertion messages)."""
     return "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}"

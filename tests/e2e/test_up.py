@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, role_logs, up_args
+from tests.helpers import ROOT, run_up, up_args
 
 pytestmark = pytest.mark.e2e
 
@@ -20,11 +18,7 @@ def test_sluice_up_short_run_learns_balances_and_exits_cleanly(tmp_path: Path) -
     cfg.write_text((ROOT / "examples" / "copy.toml").read_text())
     args = up_args(cfg, out, tmp_path / "model", "e2e", "trainer.save_steps=25",
                    "run.max_time_s=300")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=420)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
-    summary = json.loads((out / "summary.json").read_text())
+    proc, summary = run_up(args, out, tmp_path, 420)
     c = summary["conservation"]
     assert c["balanced"], c
     assert c["cursor"] == c["retired"] + c["in_flight"]
@@ -44,10 +38,7 @@ def test_sluice_up_short_run_learns_balances_and_exits_cleanly(tmp_path: Path) -
 
     # resume the same run directory with more steps: continues from the checkpoint
     args = [a.replace("trainer.max_steps=80", "trainer.max_steps=90") for a in args]
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=420)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
-    summary = json.loads((out / "summary.json").read_text())
+    proc, summary = run_up(args, out, tmp_path, 420)
     assert summary["steps"] == 90 and summary["conservation"]["balanced"], summary
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 91))  # resumed, not restarted
@@ -67,11 +58,7 @@ def test_sluice_up_learns_the_reverse_task_at_beta_zero(tmp_path: Path) -> None:
                    "task.name=reverse", "trainer.beta=0", "trainer.adam_betas=[0.9,0.99]",
                    "scoring.zero_variance=train", "trainer.max_steps=1500",
                    "up.stop_at=reward>=0.06", "run.max_time_s=420", "up.plot=false")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=540)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
-    summary = json.loads((out / "summary.json").read_text())
+    proc, summary = run_up(args, out, tmp_path, 540)
     assert summary["reason"] == "stop_at reward>=0.06 reached", summary
     assert summary["conservation"]["balanced"], summary
     assert summary["eval_reward_before"] < 0.03, summary  # so 0.06 is at least a doubling
@@ -88,11 +75,7 @@ def test_sluice_up_with_two_trainer_ranks_learns_and_passes_the_audit(tmp_path: 
     cfg.write_text((ROOT / "examples" / "copy.toml").read_text())
     args = up_args(cfg, out, tmp_path / "model", "e2e2", "trainer.save_steps=25",
                    "run.max_time_s=400", "up.trainer_ranks=2", "up.scorers=1")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=520)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
-    summary = json.loads((out / "summary.json").read_text())
+    proc, summary = run_up(args, out, tmp_path, 520)
     assert summary["reason"] == "finished" and summary["steps"] == 80, summary
     assert summary["conservation"]["balanced"], summary
     assert summary["conservation"]["by_reason"]["trained"] == 80 * 8
@@ -114,11 +97,7 @@ def test_sluice_up_reports_trainer_and_eval_metrics_to_trackio(tmp_path: Path) -
     args = up_args(ROOT / "examples" / "copy.toml", out, tmp_path / "model", "tracked",
                    "trainer.max_steps=20", 'run.report_to=["trackio"]',
                    "run.tracking_project=e2e", "run.max_time_s=240", "up.plot=false")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRACKIO_DIR": str(trackio_dir),
-           "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=360)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
+    run_up(args, out, tmp_path, 360, {"TRACKIO_DIR": str(trackio_dir), "HF_HUB_OFFLINE": "1"})
     con = sqlite3.connect(trackio_dir / "e2e.db")
     rows = con.execute("SELECT run_name, step, metrics FROM metrics ORDER BY id").fetchall()
     con.close()
@@ -143,13 +122,9 @@ def test_sluice_up_on_a_hub_id_pins_the_snapshot_every_role_loads(tmp_path: Path
     args = up_args(ROOT / "examples" / "copy.toml", out, Path("tiny-org/tiny-bpe"), "hub",
                    "trainer.max_steps=3", "trainer.groups_per_step=2", "up.scorers=1",
                    "task.heldout=8", "up.plot=false", "run.max_time_s=240")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(hf_home),
-           "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_HUB_CACHE", None)
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
-    summary = json.loads((out / "summary.json").read_text())
+    _, summary = run_up(args, out, tmp_path, 300, {"HF_HOME": str(hf_home),
+                                                  "HF_HUB_OFFLINE": "1"},
+                        drop_env=("HF_HUB_CACHE",))
     assert summary["reason"] == "finished" and summary["steps"] == 3, summary
     pin = json.loads((out / "run.json").read_text())["model"]
     assert pin["source"] == "tiny-org/tiny-bpe" and pin["revision"] == sha

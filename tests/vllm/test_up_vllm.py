@@ -4,14 +4,12 @@ one for the evaluator, learns `copy`, and stops both servers on exit."""
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, role_logs, up_args
+from tests.helpers import ROOT, run_up, up_args
 from tests.vllm.conftest import vllm_python
 
 pytestmark = pytest.mark.e2e
@@ -26,11 +24,7 @@ def test_sluice_up_with_vllm_learns_copy_and_stops_its_server(tmp_path: Path) ->
     args = up_args(ROOT / "examples" / "copy_vllm.toml", out, tmp_path / "model", "e2e-vllm",
                    "trainer.save_steps=40", "run.max_time_s=500",
                    f"generation.vllm.python={py}")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}\n{role_logs(out)}"
-    summary = json.loads((out / "summary.json").read_text())
+    _, summary = run_up(args, out, tmp_path, 600)
     c = summary["conservation"]
     assert c["balanced"] and summary["reason"] == "finished" and summary["steps"] == 80, summary
     assert c["by_reason"].get("dead", 0) == 0
