@@ -105,12 +105,13 @@ class Scorer:
         else:
             bounds = np.cumsum([0, *(len(g.rollouts) for g in groups)])
             return [whole[a:b] for a, b in itertools.pairwise(bounds)]
+        # concurrently, so a timing-out function costs one more timeout, not one per group
+        results = await asyncio.gather(*(call([g]) for g in groups), return_exceptions=True)
         out: list[np.ndarray | RewardError] = []
-        for g in groups:
-            try:
-                out.append(await call([g]))
-            except RewardError as err:
-                out.append(err)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, RewardError):
+                raise r
+            out.append(r)
         return out
 
     async def dead(self, bus: Bus, e: Entry, reason: str) -> None:
