@@ -164,10 +164,13 @@ def _check_role_inputs(cfg: Config, cmd: str) -> None:
         from workers.tasks import task_from_config
 
         task = task_from_config(cfg, _tokenizer_if_present(cfg))  # data, columns, lengths
-    if cmd in ("score", "up"):
+    if cmd in ("score", "up", "eval"):
         from workers.scorer import check_rewards
 
-        check_rewards(cfg, task)  # each reward function called once on a held-out prompt
+        if cmd != "eval":
+            check_rewards(cfg, task)  # each reward function called once on a prompt
+        if cmd != "score" and cfg.eval.rewards is not None:
+            check_rewards(cfg, task, "eval.rewards")  # the evaluator's own
 
 
 def _tokenizer_if_present(cfg: Config) -> Any:

@@ -39,7 +39,8 @@ from pipeline.transports import WeightError, make_transport
 from workers.engines.base import Completion, Engine, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.prompts import render_prompt
-from workers.rewards import RewardFn, load_reward, reward_matrix
+from workers.rewards import RewardFn, reward_matrix
+from workers.scorer import load_rewards
 from workers.tasks import task_from_config
 
 log = logging.getLogger("sluice.evaluator")
@@ -111,7 +112,7 @@ class Evaluator:
             self.engine = TransformersEngine(model, self.tokenizer, seed=cfg.run.seed)
         self.prompts = task_from_config(cfg, self.tokenizer).heldout(cfg.task.heldout)
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
-        self.rewards = [load_reward(r.fn, r.weight) for r in cfg.eval_rewards]
+        self.rewards = load_rewards(cfg, "eval.rewards")
         g = cfg.generation
         self.sampling = SamplingParams(g.max_new_tokens, temperature=g.temperature,
                                        top_k=g.top_k, top_p=g.top_p)

@@ -46,7 +46,7 @@ from pipeline.advantages import (
 )
 from pipeline.bus import Bus, Entry, worker_id
 from pipeline.codec import DecodeError, decode_entry, encode, peek_group_id
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config, ConfigError, RewardSpec
 from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.ledger import Ledger
 from pipeline.runtime import Heartbeat, connect, join, limits
@@ -255,22 +255,29 @@ class Scorer:
                                   idle_ms=10 * self.cfg.bus.claim_idle_ms)
 
 
-def load_rewards(cfg: Config) -> list[RewardFn]:
-    """``scoring.rewards`` loaded; an import problem raises ``ConfigError`` naming the key."""
+def reward_specs(cfg: Config, key: str = "scoring.rewards") -> list[RewardSpec]:
+    """The reward specs under ``key``: ``scoring.rewards``, or ``eval.rewards`` (the
+    evaluator's, `Config.eval_rewards`)."""
+    return cfg.scoring.rewards if key == "scoring.rewards" else cfg.eval_rewards
+
+
+def load_rewards(cfg: Config, key: str = "scoring.rewards") -> list[RewardFn]:
+    """The reward functions under ``key`` loaded; an import problem raises
+    ``ConfigError`` naming the key."""
     out = []
-    for i, spec in enumerate(cfg.scoring.rewards):
+    for i, spec in enumerate(reward_specs(cfg, key)):
         try:
             out.append(load_reward(spec.fn, spec.weight))
         except ValueError as e:
-            raise ConfigError(f"scoring.rewards.{i}.fn: {e}") from None
+            raise ConfigError(f"{key}.{i}.fn: {e}") from None
     return out
 
 
-async def probe_rewards(cfg: Config, rewards: list[RewardFn], task: Task | None = None
-                        ) -> None:
+async def probe_rewards(cfg: Config, rewards: list[RewardFn], task: Task | None = None,
+                        key: str = "scoring.rewards") -> None:
     """Call each reward once on a held-out prompt of the task (the first training prompt
     if there is none; `workers.rewards.probe_reward`). ``ConfigError`` naming the first
-    function that cannot be called, with its own error message."""
+    function (under ``key``) that cannot be called, with its own error message."""
     task = task or task_from_config(cfg)
     held = task.heldout(1)
     prompt = held[0] if held else task.prompt(0)
@@ -279,14 +286,15 @@ async def probe_rewards(cfg: Config, rewards: list[RewardFn], task: Task | None 
     for i, (rf, problem) in enumerate(zip(rewards, problems, strict=True)):
         if problem is not None:
             hint = " (raise scoring.reward_timeout_s?)" if problem.startswith("timed out") else ""
-            raise ConfigError(f"scoring.rewards.{i}.fn {rf.path or rf.name!r}: {problem}{hint}")
+            raise ConfigError(f"{key}.{i}.fn {rf.path or rf.name!r}: {problem}{hint}")
 
 
-def check_rewards(cfg: Config, task: Task | None = None) -> None:
-    """What `sluice up` and `sluice score` run before starting any role: load and probe
-    every reward function (building the task unless given); ``ConfigError`` /
-    ``ValueError`` naming the key."""
-    asyncio.run(probe_rewards(cfg, load_rewards(cfg), task))
+def check_rewards(cfg: Config, task: Task | None = None, key: str = "scoring.rewards"
+                  ) -> None:
+    """What `sluice up`, `sluice score` and `sluice eval` run before starting any role:
+    load and probe every reward function under ``key`` (building the task unless given);
+    ``ConfigError`` / ``ValueError`` naming the key."""
+    asyncio.run(probe_rewards(cfg, load_rewards(cfg, key), task, key))
 
 
 async def main(cfg: Config, stop: asyncio.Event, name: str | None = None) -> None:

@@ -136,6 +136,12 @@ BAD_START_FILES: dict[str, str | bytes] = {
           "task.dataset={tmp}/none.jsonl"], ["task.dataset: {tmp}/none.jsonl: no such file"]),
         (["score", "{tmp}/ok.toml", "--set", "task.name=hf"],
          ["task.dataset: the hf task needs a dataset"]),
+        (["eval", "{tmp}/ok.toml", "--set",
+          "eval.rewards=[{{fn='tests.integration.test_scorer:target_reward'}}]"],
+         ["eval.rewards.0.fn 'tests.integration.test_scorer:target_reward': TypeError: "]),
+        (["up", "{tmp}/ok.toml", "--set", "run.output_dir={tmp}/run", "--set",
+          "eval.rewards=[{{fn='workers.rewards:nope'}}]"],
+         ["eval.rewards.0.fn:", "has no attribute 'nope'"]),
     ],
     ids=["bad-toml", "not-utf8", "config-is-a-directory", "wrong-type-in-file",
          "wrong-type-in-set", "out-of-range-in-file", "unknown-section", "unknown-key-in-set",
@@ -144,7 +150,8 @@ BAD_START_FILES: dict[str, str | bytes] = {
          "train-without-model", "generate-without-model", "eval-without-model",
          "reward-module-missing", "reward-function-missing", "reward-path-malformed",
          "reward-cannot-be-called", "up-probes-rewards-first", "up-unknown-column",
-         "dataset-missing", "hf-without-dataset"],
+         "dataset-missing", "hf-without-dataset", "eval-reward-cannot-be-called",
+         "up-checks-eval-rewards"],
 )
 def test_bad_start_exits_2_naming_the_problem_without_a_traceback(
         tmp_path: Path, args: list[str], needles: list[str]) -> None:
