@@ -473,6 +473,13 @@ class UpConfig(_Section):
     trainer_restarts: int = Field(3, ge=0, le=100)
     """With trainer_ranks > 1: torchrun's ``--max-restarts``. A rank that dies takes the
     job down; torchrun restarts every rank, which resume from the newest checkpoint."""
+    max_restarts: int = Field(3, ge=0, le=100)
+    """A role that exits abnormally (a crash, ``kill -9``) is restarted after a backoff
+    (1 s, doubling per crash, at most 30 s; the trainer resumes from its checkpoint); the
+    run stops, naming the role and its log tail, when one role crashed more than this many
+    times within restart_window_s. 0 = stop the run at the first crash."""
+    restart_window_s: float = Field(300.0, gt=0)
+    """The window in which a role's crashes count against max_restarts."""
     plot: bool = True
     """Write reward_curve.png into output_dir at the end."""
     stop_at: str = ""

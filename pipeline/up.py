@@ -6,11 +6,16 @@ URLs) → trainer (publishes v0 and creates the consumer groups) → scorers →
 evaluator. The servers are stopped by PID after every role has exited. Roles talk only through
 Redis; this supervisor only starts them, reads heartbeats and state, and stops them.
 
+Crashes: a role that exits abnormally (an error, ``kill -9``) is reported at once with
+the tail of its log and restarted after a backoff (`pipeline.restarts`; the pipeline
+survives the crash: leases, reclaim, the trainer's checkpoint); one that crashes more than
+``up.max_restarts`` times within ``up.restart_window_s`` ends the run, named.
+
 Shutdown: the trainer ends the run at ``max_steps`` with a `RunFinished` announcement,
-on which every other role exits by itself. On Ctrl-C, ``max_time_s``, or any role dying
-with an error, every child gets SIGTERM (by PID), finishes or releases its work and
-exits; stragglers get SIGKILL after a grace period. A failed role is reported with the
-tail of its log, never hidden behind a pipeline that looks healthy.
+on which every other role exits by itself. On Ctrl-C, ``max_time_s``, or a role given up
+on, every child gets SIGTERM (by PID), finishes or releases its work and exits;
+stragglers get SIGKILL after a grace period. A failed role is reported with the tail of
+its log, never hidden behind a pipeline that looks healthy.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pipeline.config import Config
 from pipeline.embedded import EmbeddedRedis, free_port
 from pipeline.evaluation import parse_target
 from pipeline.monitor import snapshot
+from pipeline.restarts import RestartPolicy
 from pipeline.runtime import connect, redis_options
 from pipeline.security import COMMAND_ROLES, env_for_role
 from pipeline.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
@@ -45,6 +51,9 @@ class Child:
     proc: subprocess.Popen[bytes]
     log: Path
     spawned: float = field(default_factory=time.time)
+    threads: int = 1
+    extra: list[str] = field(default_factory=list)
+    restart_at: float | None = None  # crashed: restart at this time (time.time())
 
     def tail(self, n: int = 30) -> str:
         try:
@@ -73,7 +82,8 @@ class Supervisor:
     samples: list[Sample] = field(default_factory=list)
     t0: float = field(default_factory=time.time)
 
-    def spawn(self, role: str, name: str, threads: int, extra: list[str] | None = None) -> None:
+    def spawn(self, role: str, name: str, threads: int, extra: list[str] | None = None
+              ) -> Child:
         out = self.cfg.output_path
         (out / "logs").mkdir(parents=True, exist_ok=True)
         log = out / "logs" / f"{name}.log"
@@ -97,7 +107,39 @@ class Supervisor:
         with open(log, "ab") as f:
             proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
-        self.children.append(Child(role, name, proc, log, spawned))
+        child = Child(role, name, proc, log, spawned, threads, list(extra or []))
+        self.children.append(child)
+        return child
+
+    def respawn(self, old: Child) -> Child:
+        """Start ``old``'s role again under its name (same arguments, same log file,
+        appended), in its place in `children` (the trainer stays first)."""
+        i = self.children.index(old)
+        new = self.spawn(old.role, old.name, old.threads, old.extra)
+        self.children[i] = self.children.pop()
+        return new
+
+    def handle_crashes(self, policy: RestartPolicy) -> Child | None:
+        """Restart crashed roles (`pipeline.restarts`): a crash is reported at once on
+        stderr with the role's log tail, and the role is started again after its backoff.
+        Returns the child to stop the run for (crashed once too often), else None."""
+        now = time.time()
+        for ch in list(self.children):
+            rc = ch.proc.poll()
+            if rc in (None, 0):
+                continue
+            if ch.restart_at is None:
+                delay = policy.on_crash(ch.name, now)
+                if delay is None:
+                    return ch
+                ch.restart_at = now + delay
+                print(f"\n{ch.name} exited with code {rc}; restarting it in {delay:g} s "
+                      f"(crash {policy.count(ch.name)} of at most {policy.max_restarts + 1} "
+                      f"in {policy.window_s:g} s). Last lines of {ch.log}:\n{ch.tail(12)}\n",
+                      file=sys.stderr, flush=True)
+            elif now >= ch.restart_at:
+                self.respawn(ch)
+        return None
 
     def start_roles(self, trainer_ready_s: float = 300.0, vllm_urls: list[str] | None = None,
                     eval_urls: list[str] | None = None) -> None:
@@ -155,13 +197,6 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 ch.proc.kill()
                 ch.proc.wait()
-
-    def failed(self) -> Child | None:
-        for ch in self.children:
-            rc = ch.proc.poll()
-            if rc not in (None, 0):
-                return ch
-        return None
 
     def record(self, snap: dict[str, Any]) -> None:
         n = reward = exact = 0.0
@@ -253,7 +288,8 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
     task = progress.add_task("train", total=cfg.trainer.max_steps, s="starting")
     last_print = 0.0
     reason = "finished"
-    trainer = sup.children[0]
+    u = cfg.up
+    policy = RestartPolicy(max_restarts=u.max_restarts, window_s=u.restart_window_s)
     target = parse_target(cfg.up.stop_at)
     shown = target.metric if target else "pass@1"  # the eval metric on the progress line
     with progress:
@@ -264,11 +300,13 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
             if cfg.run.max_time_s and time.time() - sup.t0 > cfg.run.max_time_s:
                 reason = "max_time_s"
                 break
-            bad = sup.failed()
+            bad = sup.handle_crashes(policy)
             if bad is not None:
-                reason = f"{bad.name} exited with code {bad.proc.returncode}"
+                reason = (f"{bad.name} exited with code {bad.proc.returncode}"
+                          + (f" ({policy.count(bad.name)} crashes in "
+                             f"{policy.window_s:g} s)" if policy.max_restarts else ""))
                 break
-            if trainer.proc.poll() == 0:
+            if sup.children[0].proc.poll() == 0:  # the trainer finished the run
                 break
             try:
                 snap = await snapshot(bus)
@@ -366,7 +404,10 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
 
         ok = summarize(cfg, sup, snap, reason)
         ok = loop.run_until_complete(audit_run(cfg)) and ok
-        failed = [c for c in sup.children if c.proc.returncode not in (0, -signal.SIGTERM)]
+        # a crash already reported and awaiting its restart when the run ended is not
+        # a failure of the run (it survived it)
+        failed = [c for c in sup.children if c.proc.returncode not in (0, -signal.SIGTERM)
+                  and c.restart_at is None]
         for c in failed:
             print(f"\n{c.name} exited with {c.proc.returncode}; last lines of {c.log}:\n"
                   f"{c.tail()}", file=sys.stderr)
