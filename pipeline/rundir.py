@@ -234,8 +234,13 @@ def _resume(cfg: Config, saved: dict[str, Any], allow: bool, record_allowed: boo
                           f"({RUN_FILE}); changed:\n{lines}\nresume with the saved config, "
                           "pass --allow-config-change to make this the run's config, or "
                           "use another run.output_dir (sluice up --fresh starts over)")
-    if changes:
-        print("sluice: resuming with changed config: " + "; ".join(map(str, changes)),
+    # `sluice up` reports (and records) the changes of the run; a role it started differs
+    # from run.json only in connection details it was given (bus.redis_url, its servers)
+    # and would repeat the line in every role's log, so a single role reports only
+    # changes to keys outside bus.*
+    shown = changes if record_allowed else [c for c in changes if not c.key.startswith("bus.")]
+    if shown:
+        print("sluice: resuming with changed config: " + "; ".join(map(str, shown)),
               file=sys.stderr)
     model = resolve_model(cfg.model.path, cfg.model.revision) if model_changes and allow \
         else _pinned_model(saved)

@@ -159,9 +159,11 @@ class Evaluator:
                        lambda: {"version": self.engine.version, "last": self.last})
         hb.start()
         try:
+            resumed = self.path.exists() and self.path.stat().st_size > 0
             self.tracker = await asyncio.to_thread(open_tracker, self.cfg, "evaluator",
                                                    self.path.exists())
-            await self.run_once(0, 0)  # the initial weights, before any training
+            if not resumed:  # the initial weights, before any training (once per run: a
+                await self.run_once(0, 0)  # restarted evaluator goes on from the newest)
             pending: WeightsPublished | None = None
             last_eval = time.monotonic()
             async for msg in control.watch(bus, from_id="0", stop=stop, block_ms=200):
