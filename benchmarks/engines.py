@@ -60,7 +60,7 @@ from workers.engines.transformers import TransformersEngine
 from workers.engines.vllm import VLLMEngine
 from workers.engines.vllm_metrics import ServerMetrics, parse_metrics
 from workers.engines.vllm_server import LocalServer, ServerSpec, launch
-from workers.generator import render_prompt
+from workers.prompts import render_prompt
 from workers.tasks import make_task
 
 ROOT = Path(__file__).resolve().parent.parent

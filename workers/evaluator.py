@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 from pipeline import control
@@ -83,18 +82,10 @@ async def evaluate(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]]
 
 
 def eval_vllm_engine(cfg: Config) -> Engine:
-    """A `VLLMEngine` over the evaluator's own servers (``eval.vllm_urls``); LoRA adapters
-    are named ``<run>-eval-v<N>`` so they can never be taken for a generator's."""
-    from workers.engines.vllm import VLLMEngine, model_aliases
+    """A `VLLMEngine` over the evaluator's own servers (``eval.vllm_urls``)."""
+    from workers.engines.vllm import VLLMEngine
 
-    v = cfg.generation.vllm
-    lora = cfg.model.lora is not None
-    return VLLMEngine(cfg.eval.vllm_urls, str(Path(cfg.model.path).resolve()),
-                      seed=cfg.run.seed, timeout_s=v.request_timeout_s,
-                      max_inflight=v.max_inflight, request_attempts=v.request_attempts,
-                      backoff_max_s=v.backoff_max_s, metrics_interval_s=v.metrics_interval_s,
-                      lora_prefix=f"{cfg.run.name}-eval" if lora else "",
-                      keep_adapters=1 if lora else 0, model_aliases=model_aliases(cfg))
+    return VLLMEngine.from_config(cfg, seed=cfg.run.seed, evaluator=True)
 
 
 class Evaluator:

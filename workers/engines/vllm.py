@@ -110,17 +110,25 @@ class VLLMEngine(WeightSync):
         self.failed_requests = 0
 
     @classmethod
-    def from_config(cls, cfg: Config, *, seed: int | None = None) -> VLLMEngine:
+    def from_config(cls, cfg: Config, *, seed: int | None = None, evaluator: bool = False
+                    ) -> VLLMEngine:
+        """The engine of a generator (over ``generation.vllm.urls``) or, with
+        ``evaluator``, of the evaluator (over ``eval.vllm_urls``: servers of its own; its
+        LoRA adapters are named ``<run>-eval-v<N>`` and one is kept, the evaluated one;
+        weights always come from the store, never NCCL)."""
         v = cfg.generation.vllm
         lora = cfg.model.lora is not None
-        return cls(v.urls, str(Path(cfg.model.path).resolve()), seed=seed,
+        keep = 1 if evaluator else cfg.trainer.max_staleness + 1
+        prefix = f"{cfg.run.name}-eval" if evaluator else cfg.run.name
+        return cls(cfg.eval.vllm_urls if evaluator else v.urls,
+                   str(Path(cfg.model.path).resolve()), seed=seed,
                    model_aliases=model_aliases(cfg),
                    timeout_s=v.request_timeout_s, max_inflight=v.max_inflight,
                    request_attempts=v.request_attempts, backoff_max_s=v.backoff_max_s,
                    metrics_interval_s=v.metrics_interval_s,
-                   lora_prefix=cfg.run.name if lora else "",
-                   keep_adapters=cfg.trainer.max_staleness + 1 if lora else 0,
-                   nccl=v.weight_transfer == "nccl")
+                   lora_prefix=prefix if lora else "",
+                   keep_adapters=keep if lora else 0,
+                   nccl=v.weight_transfer == "nccl" and not evaluator)
 
     # ----------------------------------------------------------------- HTTP
     async def _call(self, s: Server, method: str, path: str,
