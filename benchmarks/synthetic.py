@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.schema import Rollout, RolloutGroup, ScoredGroup
+from pipeline.bus.schema import Rollout, RolloutGroup, ScoredGroup
 
 
 def scored_groups(n_groups: int, num_generations: int, *, vocab_size: int,

@@ -49,7 +49,7 @@ from typing import Any
 
 import psutil
 
-from pipeline.report import read_jsonl
+from pipeline.ops.report import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable

@@ -93,7 +93,7 @@ class BusConfig(_Section):
 
     @model_validator(mode="after")
     def _check_security(self) -> BusConfig:
-        from pipeline.security import TLSFiles, check_bus_url
+        from pipeline.bus.security import TLSFiles, check_bus_url
 
         check_bus_url(self.redis_url, TLSFiles(self.tls_ca_file, self.tls_cert_file,
                                                self.tls_key_file))

@@ -18,10 +18,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pipeline.bus import Bus
+from pipeline.bus.client import Bus
+from pipeline.bus.schema import Limits
+from pipeline.bus.security import TLSFiles, client_options
 from pipeline.config import Config
-from pipeline.schema import Limits
-from pipeline.security import TLSFiles, client_options
 
 log = logging.getLogger("sluice")
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from pipeline.embedded import EmbeddedRedis, free_port
+from pipeline.ops.embedded import EmbeddedRedis, free_port
 
 T = TypeVar("T")
 

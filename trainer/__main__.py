@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.cli import main
+from pipeline.ops.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

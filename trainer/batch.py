@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.schema import Rollout, ScoredGroup
+from pipeline.bus.schema import Rollout, ScoredGroup
 
 
 @dataclass

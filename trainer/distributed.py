@@ -4,7 +4,7 @@ How ranks share the stream (decided, and why): **rank 0 reads and scatters**. Ra
 only consumer of ``trainers`` (name ``trainer-0``) and the only rank that talks to Redis:
 it decides staleness against one version per step, dedupes, and after the step publishes,
 announces, retires and checkpoints. Every step it broadcasts the step's groups as the same
-msgpack bytes the bus carries (`pipeline.codec`, never pickle); each rank decodes them and
+msgpack bytes the bus carries (`pipeline.bus.codec`, never pickle); each rank decodes them and
 trains groups ``rank::world``. So every guarantee of the one-process trainer (trained at
 most once, one version per step, acks after the step) holds unchanged, and a restarted job
 drains rank 0's pending entries from the checkpoint. Membership is torchrun's: a rank that
@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.codec import decode, encode
+from pipeline.bus.codec import decode, encode
+from pipeline.bus.schema import Limits, ScoredGroup
 from pipeline.config import Config, ConfigError
-from pipeline.schema import Limits, ScoredGroup
 from trainer.policy import DataParallel
 
 log = logging.getLogger("sluice.trainer")

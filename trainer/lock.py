@@ -20,7 +20,7 @@ import os
 import socket
 import time
 
-from pipeline.bus import Bus
+from pipeline.bus.client import Bus
 
 log = logging.getLogger("sluice.trainer")
 

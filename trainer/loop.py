@@ -49,13 +49,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline import control
-from pipeline.bus import Bus, worker_id
+from pipeline.bus import control
+from pipeline.bus.client import Bus, worker_id
+from pipeline.bus.keys import TRAINERS_GROUP
+from pipeline.bus.ledger import Ledger
+from pipeline.bus.schema import ScoredGroup
 from pipeline.config import Config
-from pipeline.keys import TRAINERS_GROUP
-from pipeline.ledger import Ledger
 from pipeline.runtime import Heartbeat, connect, limits, set_threads
-from pipeline.schema import ScoredGroup
 from pipeline.tracking import Tracker, open_tracker, trainer_metrics
 from pipeline.transports import make_transport
 from trainer import setup

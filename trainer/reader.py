@@ -1,7 +1,7 @@
 """Rank 0's side of the ``scored`` stream: read, settle what is not trained, retire what is.
 
 Every entry read ends in exactly one place, each through one idempotent script with an
-intent line in the ledger first (`pipeline.ledger`):
+intent line in the ledger first (`pipeline.bus.ledger`):
 - undecodable → ``dlq`` (retired ``dead`` when it names a group);
 - delivered more than ``bus.max_deliveries`` times → ``dlq``: the trainer kept failing
   before it could ack it (a step that raised, then a restart or a re-read), so it must
@@ -21,10 +21,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from pipeline.bus import Bus, Entry
-from pipeline.codec import DecodeError, decode_entry, peek_group_id
-from pipeline.keys import TRAINERS_GROUP
-from pipeline.schema import ScoredGroup
+from pipeline.bus.client import Bus, Entry
+from pipeline.bus.codec import DecodeError, decode_entry, peek_group_id
+from pipeline.bus.keys import TRAINERS_GROUP
+from pipeline.bus.schema import ScoredGroup
 
 if TYPE_CHECKING:
     from trainer.loop import Trainer

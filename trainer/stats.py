@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.schema import ScoredGroup
+from pipeline.bus.schema import ScoredGroup
 
 
 def step_tokens(groups: list[ScoredGroup]) -> int:

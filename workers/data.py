@@ -40,7 +40,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from pipeline.codec import check_prompt_value
+from pipeline.bus.codec import check_prompt_value
 from workers.prompts import check_prompt
 
 log = logging.getLogger("sluice.data")

@@ -25,14 +25,14 @@ import math
 import time
 from typing import Any
 
-from pipeline import control
-from pipeline.bus import worker_id
+from pipeline.bus import control
+from pipeline.bus.client import worker_id
+from pipeline.bus.schema import RunFinished, WeightsPublished
 from pipeline.config import Config
 from pipeline.devices import resolve_device
 from pipeline.evaluation import summarize_scores
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, set_threads
-from pipeline.schema import RunFinished, WeightsPublished
 from pipeline.tracking import Tracker, eval_metrics, open_tracker
 from pipeline.transports import WeightError, make_transport
 from workers.engines.base import Completion, Engine, SamplingParams

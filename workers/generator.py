@@ -27,15 +27,15 @@ from typing import TypeVar
 
 import numpy as np
 
-from pipeline import control
-from pipeline.bus import TRANSIENT, Bus, worker_id
-from pipeline.codec import encode
+from pipeline.bus import control
+from pipeline.bus.client import TRANSIENT, Bus, worker_id
+from pipeline.bus.codec import encode
+from pipeline.bus.ledger import Ledger
+from pipeline.bus.schema import Rollout, RolloutGroup, RunFinished, WeightsPublished
 from pipeline.config import Config
 from pipeline.devices import resolve_device
-from pipeline.ledger import Ledger
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, join, set_threads
-from pipeline.schema import Rollout, RolloutGroup, RunFinished, WeightsPublished
 from pipeline.transports import WeightError, make_transport
 from workers.engines.base import Completion, Engine, EngineError, SamplingParams
 from workers.engines.transformers import TransformersEngine

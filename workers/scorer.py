@@ -38,19 +38,19 @@ import time
 
 import numpy as np
 
-from pipeline import control
 from pipeline.advantages import (
     batch_advantages,
     combine_rewards,
     is_zero_variance,
 )
-from pipeline.bus import Bus, Entry, worker_id
-from pipeline.codec import DecodeError, decode_entry, encode, peek_group_id
+from pipeline.bus import control
+from pipeline.bus.client import Bus, Entry, worker_id
+from pipeline.bus.codec import DecodeError, decode_entry, encode, peek_group_id
+from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
+from pipeline.bus.ledger import Ledger
+from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup
 from pipeline.config import Config, ConfigError, RewardSpec
-from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP
-from pipeline.ledger import Ledger
 from pipeline.runtime import Heartbeat, connect, join, limits
-from pipeline.schema import RolloutGroup, RunFinished, ScoredGroup
 from workers.rewards import RewardError, RewardFn, load_reward, probe_reward, reward_matrix
 from workers.tasks import Task, task_from_config
 

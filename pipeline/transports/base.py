@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from pipeline.schema import WeightsPublished
+from pipeline.bus.schema import WeightsPublished
 
 if TYPE_CHECKING:
     from pipeline.transports.store import WeightStore

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from pipeline.schema import WeightsPublished
+from pipeline.bus.schema import WeightsPublished
 from pipeline.transports.base import WeightError, WeightSource, WeightTransport
 from pipeline.transports.store import INDEX, WeightStore
 

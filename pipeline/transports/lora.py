@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save
 
-from pipeline.schema import WeightsPublished
+from pipeline.bus.schema import WeightsPublished
 from pipeline.transports.base import WeightError, WeightSource, WeightTransport
 from pipeline.transports.store import ADAPTER_CONFIG, ADAPTER_FILE, WeightStore
 

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 
-from pipeline.schema import WeightsPublished
+from pipeline.bus.schema import WeightsPublished
 from pipeline.transports.base import WeightSource, WeightTransport
 from pipeline.transports.file import FileTransport, publishable
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from pipeline.schema import WeightsPublished
+from pipeline.bus.schema import WeightsPublished
 from pipeline.transports.base import WeightError
 
 MANIFEST = "manifest.json"

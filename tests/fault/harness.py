@@ -18,11 +18,11 @@ from typing import Any
 
 import redis
 
-from pipeline.audit import AuditReport, audit, live_view, pending_intents
-from pipeline.bus import Bus
-from pipeline.embedded import EmbeddedRedis, free_port
-from pipeline.keys import Keys
-from pipeline.ledger import read_ledgers
+from pipeline.bus.audit import AuditReport, audit, live_view, pending_intents
+from pipeline.bus.client import Bus
+from pipeline.bus.keys import Keys
+from pipeline.bus.ledger import read_ledgers
+from pipeline.ops.embedded import EmbeddedRedis, free_port
 from tests.helpers import run_header, spawn_role, wait_for
 
 NUM_GENERATIONS = 4

@@ -1,7 +1,7 @@
 """kill -9 each role at its worst moment, restart it, and check the whole history.
 
 Real redis-server (AOF), real `sluice` processes, kills by PID; after recovery every test
-stops the pipeline with SIGTERM and runs the history checker (`pipeline.audit`), which
+stops the pipeline with SIGTERM and runs the history checker (`pipeline.bus.audit`), which
 must find no loss, no duplicate, no stale training and no counter drift.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP
+from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
 from tests.fault.harness import GROUPS_PER_STEP, Pipeline
 from tests.helpers import wait_for
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.keys import SCORERS_GROUP
+from pipeline.bus.keys import SCORERS_GROUP
 from tests.fault.harness import GROUPS_PER_STEP, Pipeline
 from tests.helpers import wait_for
 

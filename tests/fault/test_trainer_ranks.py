@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from pipeline.embedded import free_port
-from pipeline.keys import TRAINERS_GROUP
-from pipeline.up import child_pids, stop_gracefully
+from pipeline.bus.keys import TRAINERS_GROUP
+from pipeline.ops.embedded import free_port
+from pipeline.ops.up import child_pids, stop_gracefully
 from tests.fault.harness import GROUPS_PER_STEP, Pipeline
 from tests.helpers import ROOT, wait_for
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.up import child_pids
+from pipeline.ops.up import child_pids
 from tests.helpers import ROOT, role_logs, up_args, wait_for
 
 pytestmark = pytest.mark.fault

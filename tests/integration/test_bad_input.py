@@ -23,14 +23,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from pipeline.bus import Bus
-from pipeline.codec import FIELD, decode_entry, encode
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import FIELD, decode_entry, encode
+from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
+from pipeline.bus.schema import ScoredGroup
 from pipeline.config import Config, load_config
-from pipeline.embedded import EmbeddedRedis
-from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.model import VOCAB_SIZE
-from pipeline.monitor import snapshot
-from pipeline.schema import ScoredGroup
+from pipeline.ops.embedded import EmbeddedRedis
+from pipeline.ops.monitor import snapshot
 from tests.conftest import arun
 from tests.helpers import make_group, wait_for_async
 from trainer.loop import Trainer

@@ -24,12 +24,12 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from pipeline import control
-from pipeline.bus import Bus
-from pipeline.codec import encode
+from pipeline.bus import control
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import encode
+from pipeline.bus.schema import WeightsPublished
 from pipeline.config import Config, load_config
-from pipeline.embedded import EmbeddedRedis
-from pipeline.schema import WeightsPublished
+from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.transports import INDEX, FileTransport
 from tests.conftest import arun
 from workers.generator import Generator

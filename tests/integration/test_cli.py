@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline.codec import encode
-from pipeline.embedded import EmbeddedRedis
-from pipeline.keys import SCORERS_GROUP, Keys
+from pipeline.bus.codec import encode
+from pipeline.bus.keys import SCORERS_GROUP, Keys
+from pipeline.ops.embedded import EmbeddedRedis
 from tests.helpers import ROOT, make_group
 
 pytestmark = pytest.mark.integration
 
 
 def sluice(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "pipeline.ops.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from pipeline import control
-from pipeline.bus import Bus
-from pipeline.embedded import EmbeddedRedis
-from pipeline.schema import RunFinished, WeightsPublished
+from pipeline.bus import control
+from pipeline.bus.client import Bus
+from pipeline.bus.schema import RunFinished, WeightsPublished
+from pipeline.ops.embedded import EmbeddedRedis
 from tests.conftest import arun
 
 pytestmark = pytest.mark.integration

@@ -38,14 +38,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.bus import Bus
-from pipeline.codec import FIELD, DecodeError, decode_entry, encode, peek_group_id
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import FIELD, DecodeError, decode_entry, encode, peek_group_id
+from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
+from pipeline.bus.schema import Rollout, RolloutGroup, ScoredGroup
 from pipeline.config import Config, load_config
-from pipeline.embedded import EmbeddedRedis
-from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.model import VOCAB_SIZE
+from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.runtime import limits as run_limits
-from pipeline.schema import Rollout, RolloutGroup, ScoredGroup
 from tests.conftest import arun
 from tests.helpers import key_paths, value_at
 from trainer.batch import build_batch, completion_logits
@@ -437,7 +437,7 @@ def test_trainer_accounts_for_every_fuzzed_scored_entry(
 def test_fuzz_batches_hold_every_kind_of_entry() -> None:
     """The generator is not degenerate: a batch has valid messages and each rejection
     class the property is meant to exercise."""
-    from pipeline.schema import Limits
+    from pipeline.bus.schema import Limits
 
     limits = Limits(vocab_size=VOCAB_SIZE, max_message_bytes=MAX_BYTES)
     reasons: list[str] = []

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from pipeline.bus import Bus
-from pipeline.codec import decode_entry
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import decode_entry
+from pipeline.bus.schema import RolloutGroup
 from pipeline.config import load_config
-from pipeline.embedded import EmbeddedRedis
 from pipeline.model import load_tokenizer
-from pipeline.schema import RolloutGroup
+from pipeline.ops.embedded import EmbeddedRedis
 from tests.conftest import arun
 from workers.generator import Generator
 from workers.prompts import render_prompt

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.bus import Bus
-from pipeline.codec import decode_entry
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import decode_entry
+from pipeline.bus.schema import RolloutGroup
 from pipeline.config import load_config
-from pipeline.embedded import EmbeddedRedis
-from pipeline.schema import RolloutGroup
+from pipeline.ops.embedded import EmbeddedRedis
 from tests.conftest import arun
 from workers.engines import Completion, EngineError, SamplingParams
 from workers.generator import Generator
@@ -89,8 +89,8 @@ def test_generator_with_no_reachable_server_reports_unhealthy_and_stops_cleanly(
 
     import redis
 
-    from pipeline.embedded import free_port
-    from pipeline.keys import Keys
+    from pipeline.bus.keys import Keys
+    from pipeline.ops.embedded import free_port
     from tests.helpers import run_header, spawn_role, wait_for, write_config
 
     cfg = write_config(tmp_path / "g.toml", run_header(

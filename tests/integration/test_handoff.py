@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline.bus import Bus
-from pipeline.codec import decode_entry, encode
-from pipeline.embedded import EmbeddedRedis
-from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP, Keys
-from pipeline.schema import ScoredGroup
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import decode_entry, encode
+from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP, Keys
+from pipeline.bus.schema import ScoredGroup
+from pipeline.ops.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import make_group, run_header, spawn_role, wait_for, write_config
 

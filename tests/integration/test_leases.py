@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
-from pipeline.bus import Bus
-from pipeline.embedded import EmbeddedRedis
-from pipeline.keys import SCORERS_GROUP
+from pipeline.bus.client import Bus
+from pipeline.bus.keys import SCORERS_GROUP
+from pipeline.ops.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import wait_for_async
 

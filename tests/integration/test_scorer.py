@@ -11,13 +11,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from pipeline.bus import Bus
-from pipeline.codec import decode_entry, encode
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import decode_entry, encode
+from pipeline.bus.keys import SCORERS_GROUP
+from pipeline.bus.schema import ScoredGroup
 from pipeline.config import ConfigError, load_config
-from pipeline.embedded import EmbeddedRedis
-from pipeline.keys import SCORERS_GROUP
-from pipeline.monitor import snapshot
-from pipeline.schema import ScoredGroup
+from pipeline.ops.embedded import EmbeddedRedis
+from pipeline.ops.monitor import snapshot
 from tests.conftest import arun
 from tests.helpers import make_group, wait_for_async
 from workers.scorer import Scorer

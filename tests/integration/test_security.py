@@ -29,11 +29,11 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.bus import Bus
-from pipeline.embedded import free_port
-from pipeline.keys import SCORERS_GROUP, TRAINERS_GROUP, Keys
-from pipeline.monitor import snapshot
-from pipeline.security import Credentials, load_credentials_file
+from pipeline.bus.client import Bus
+from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP, Keys
+from pipeline.bus.security import Credentials, load_credentials_file
+from pipeline.ops.embedded import free_port
+from pipeline.ops.monitor import snapshot
 from tests.helpers import ROOT, RedisProcess, make_certs, role_logs, run_header, tls_args
 
 pytestmark = pytest.mark.integration
@@ -42,7 +42,7 @@ RUN = f"sec{uuid.uuid4().hex[:6]}"
 
 
 def sluice(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "pipeline.ops.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -357,7 +357,7 @@ def test_short_pipeline_runs_with_one_acl_user_per_role_over_tls(
 
 def test_a_client_that_does_not_trust_the_ca_is_refused(acl: AclServer, tmp_path: Path
                                                         ) -> None:
-    from pipeline.security import CredentialsError, TLSFiles, client_options
+    from pipeline.bus.security import CredentialsError, TLSFiles, client_options
 
     if acl.tls_url is None:
         pytest.skip("no openssl or no TLS in this redis-server")
@@ -371,7 +371,7 @@ def test_a_client_that_does_not_trust_the_ca_is_refused(acl: AclServer, tmp_path
 
 def test_client_certificate_for_servers_that_demand_one(acl: AclServer, tmp_path: Path
                                                         ) -> None:
-    from pipeline.security import TLSFiles, client_options
+    from pipeline.bus.security import TLSFiles, client_options
 
     if acl.certs is None:
         pytest.skip("no openssl or no TLS in this redis-server")

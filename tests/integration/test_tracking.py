@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.bus import Bus
-from pipeline.codec import encode
-from pipeline.embedded import EmbeddedRedis
-from pipeline.keys import TRAINERS_GROUP
-from pipeline.schema import ScoredGroup
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import encode
+from pipeline.bus.keys import TRAINERS_GROUP
+from pipeline.bus.schema import ScoredGroup
+from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.tracking import trainer_metrics
 from tests.conftest import arun
 from tests.helpers import make_group, run_header, spawn_role, write_config

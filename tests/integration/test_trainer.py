@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import control
-from pipeline.bus import Bus
-from pipeline.codec import encode
+from pipeline.bus import control
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import encode
+from pipeline.bus.keys import TRAINERS_GROUP
+from pipeline.bus.schema import ScoredGroup
 from pipeline.config import Config, load_config
-from pipeline.embedded import EmbeddedRedis
-from pipeline.keys import TRAINERS_GROUP
-from pipeline.monitor import snapshot
-from pipeline.schema import ScoredGroup
+from pipeline.ops.embedded import EmbeddedRedis
+from pipeline.ops.monitor import snapshot
 from tests.conftest import arun
 from tests.helpers import make_group
 from trainer.loop import StaleSampleError, Trainer
@@ -110,7 +110,7 @@ def _overrides(cfg: Config) -> list[str]:
 def test_train_step_refuses_a_stale_sample_that_slipped_through(
         redis_server: EmbeddedRedis, run_name: str, tmp_path: Path,
         tiny_model_dir: Path) -> None:
-    from pipeline.codec import decode
+    from pipeline.bus.codec import decode
 
     tr = Trainer(_cfg(redis_server, run_name, tmp_path, tiny_model_dir))
     tr.state.version = 5

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import control
-from pipeline.bus import Bus
+from pipeline.bus import control
+from pipeline.bus.client import Bus
+from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.config import Config, load_config
-from pipeline.embedded import EmbeddedRedis
-from pipeline.keys import TRAINERS_GROUP
 from pipeline.model import adapter_state, load_policy
+from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.transports import ADAPTER_FILE, LoraTransport
 from tests.conftest import arun
 from tests.integration.test_trainer import _scored

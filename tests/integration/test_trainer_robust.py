@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import control
-from pipeline.bus import Bus
-from pipeline.codec import decode, encode
+from pipeline.bus import control
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import decode, encode
+from pipeline.bus.keys import TRAINERS_GROUP
+from pipeline.bus.schema import ScoredGroup
 from pipeline.config import Config, load_config
-from pipeline.embedded import EmbeddedRedis
-from pipeline.keys import TRAINERS_GROUP
-from pipeline.schema import ScoredGroup
+from pipeline.ops.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import make_group
 from trainer.loop import StaleSampleError, Trainer

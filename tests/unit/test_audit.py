@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.audit import LiveView, audit
-from pipeline.ledger import Ledger, read_ledgers
+from pipeline.bus.audit import LiveView, audit
+from pipeline.bus.ledger import Ledger, read_ledgers
 
 
 def ev(e: str, gid: str | None, role: str = "scorer", **kw: Any) -> dict[str, Any]:
@@ -192,7 +192,7 @@ def test_settle_writes_intent_then_only_the_events_that_happened(tmp_path: Path)
 
 def test_sluice_audit_exits_0_clean_1_on_violations_2_without_a_ledger(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.cli import main
+    from pipeline.ops.cli import main
 
     (tmp_path / "run").mkdir()
     run = write(tmp_path / "run", clean_history())

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.codec import decode, encode
+from pipeline.bus.codec import decode, encode
+from pipeline.bus.schema import Limits, Rollout, RolloutGroup, ScoredGroup
 from pipeline.model import init_tiny_model, load_model
-from pipeline.schema import Limits, Rollout, RolloutGroup, ScoredGroup
 from trainer.batch import Batch, build_batch, completion_logits
 from trainer.loss import selective_log_softmax
 from workers.engines import SamplingParams

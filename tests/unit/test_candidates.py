@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.codec import DecodeError, decode, encode
+from pipeline.bus.codec import DecodeError, decode, encode
+from pipeline.bus.schema import Limits, Rollout, RolloutGroup, ScoredGroup
 from pipeline.model import init_tiny_model, load_model
-from pipeline.schema import Limits, Rollout, RolloutGroup, ScoredGroup
 from trainer.batch import build_batch
 from trainer.loop import Trainer
 from trainer.loss import candidate_log_softmax, selective_log_softmax

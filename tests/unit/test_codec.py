@@ -1,4 +1,4 @@
-"""pipeline.codec: exact round trips, and every malformed input rejected with DecodeError.
+"""pipeline.bus.codec: exact round trips, and every malformed input rejected with DecodeError.
 
 Each rejection test starts from a valid encoding (unpacked to a dict), changes exactly one
 thing, re-packs it and expects `DecodeError` with a reason naming what is wrong. The helper
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.codec import DecodeError, decode, decode_entry, encode, peek_group_id
-from pipeline.schema import (
+from pipeline.bus.codec import DecodeError, decode, decode_entry, encode, peek_group_id
+from pipeline.bus.schema import (
     SCHEMA_VERSION,
     Limits,
     Rollout,

@@ -20,10 +20,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from pipeline.cli import main as cli_main
 from pipeline.config import Config
-from pipeline.export import ExportError, export_run
 from pipeline.model import apply_lora, init_tiny_model, load_model, load_tokenizer
+from pipeline.ops.cli import main as cli_main
+from pipeline.ops.export import ExportError, export_run
 from pipeline.transports import MANIFEST, WeightError, make_transport
 from trainer.checkpoint import Checkpointer, TrainerState
 
@@ -38,7 +38,7 @@ def make_config(run_dir: Path, model_dir: Path, lora: dict[str, Any] | None = No
 
 
 def write_run_json(cfg: Config, model_dir: Path) -> None:
-    """run.json as the run writes it at start (the contract in pipeline/export.py)."""
+    """run.json as the run writes it at start (the contract in pipeline/ops/export.py)."""
     cfg.output_path.mkdir(parents=True, exist_ok=True)
     (cfg.output_path / "run.json").write_text(json.dumps(
         {"format": 1, "config": cfg.model_dump(mode="json"),
@@ -270,7 +270,7 @@ def test_push_to_hub_fails_with_a_message_before_exporting(
              if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE",
                           "TRANSFORMERS_OFFLINE")}
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "export", str(cfg.output_path), "--out",
+        [sys.executable, "-m", "pipeline.ops.cli", "export", str(cfg.output_path), "--out",
          str(tmp_path / "out"), "--push-to-hub", "someone/tiny"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**clean, "HF_HOME": str(tmp_path / "hf"), **env})

@@ -1,4 +1,4 @@
-"""pipeline.keys: one hash tag per run, validated run names, known streams only."""
+"""pipeline.bus.keys: one hash tag per run, validated run names, known streams only."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from pipeline.keys import Keys
+from pipeline.bus.keys import Keys
 
 ALL = ("rollouts", "scored", "control", "dlq", "state", "workers")
 

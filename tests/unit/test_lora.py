@@ -15,9 +15,9 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
+from pipeline.bus.schema import ScoredGroup
 from pipeline.config import Config, load_config
 from pipeline.model import adapter_state, init_tiny_model, load_model, load_policy
-from pipeline.schema import ScoredGroup
 from pipeline.transports import (
     ADAPTER_CONFIG,
     ADAPTER_FILE,

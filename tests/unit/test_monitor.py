@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from pipeline.monitor import render_status
+from pipeline.ops.monitor import render_status
 
 
 def test_status_shows_servers_in_rotation_caps_and_an_unhealthy_generator() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main as sluice
 from pipeline.config import Config, ConfigError, load_config
+from pipeline.ops.cli import main as sluice
 from pipeline.rundir import (
     RUN_FILE,
     check_fresh,

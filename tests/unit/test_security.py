@@ -1,4 +1,4 @@
-"""pipeline.security and pipeline.acl without Redis: credential lookup order, the
+"""pipeline.bus.security and pipeline.ops.acl without Redis: credential lookup order, the
 credentials file's permissions, ACL rendering, TLS options, the config checks."""
 
 from __future__ import annotations
@@ -8,11 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.acl import TEMPLATE, logical_lines, make_acl, password_hash, render, username
-from pipeline.cli import main as cli
-from pipeline.config import ConfigError, load_config
-from pipeline.keys import Keys
-from pipeline.security import (
+from pipeline.bus.keys import Keys
+from pipeline.bus.security import (
     ROLES,
     Credentials,
     CredentialsError,
@@ -23,6 +20,9 @@ from pipeline.security import (
     resolve_credentials,
     write_credentials_file,
 )
+from pipeline.config import ConfigError, load_config
+from pipeline.ops.acl import TEMPLATE, logical_lines, make_acl, password_hash, render, username
+from pipeline.ops.cli import main as cli
 
 
 def _creds_file(tmp_path: Path, mode: int = 0o600) -> Path:

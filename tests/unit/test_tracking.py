@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline import cli
+from pipeline.bus.schema import ScoredGroup
 from pipeline.config import ConfigError, load_config
-from pipeline.schema import ScoredGroup
+from pipeline.ops import cli
 from pipeline.tracking import (
     TRL_NAMES,
     Tracker,

@@ -26,9 +26,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from pipeline.bus.schema import WeightsPublished
 from pipeline.config import LoraConfig, load_config
 from pipeline.model import adapter_state, apply_lora, init_tiny_model, load_model
-from pipeline.schema import WeightsPublished
 from pipeline.transports import (
     INDEX,
     MANIFEST,

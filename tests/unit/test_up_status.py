@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config import load_config
-from pipeline.up import Supervisor, status_line
+from pipeline.ops.up import Supervisor, status_line
 
 
 def _snap(scorers: dict[str, dict[str, Any]], dlq: int) -> dict[str, Any]:

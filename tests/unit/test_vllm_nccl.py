@@ -24,7 +24,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from pipeline.embedded import free_port
+from pipeline.ops.embedded import free_port
 from pipeline.transports.nccl import NCCLWeightSync, WeightSyncError, update_info
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -35,8 +35,8 @@ datasets = pytest.importorskip("datasets")  # installed with trl (dev extra)
 trl = pytest.importorskip("trl")
 
 from pipeline.advantages import batch_advantages, combine_rewards  # noqa: E402
+from pipeline.bus.schema import Rollout, RolloutGroup, ScoredGroup  # noqa: E402
 from pipeline.model import load_model  # noqa: E402
-from pipeline.schema import Rollout, RolloutGroup, ScoredGroup  # noqa: E402
 from trainer.batch import Batch, build_batch  # noqa: E402
 from trainer.loss import LossConfig  # noqa: E402
 from trainer.policy import StepSettings, compute_loss, optimize, token_logps  # noqa: E402

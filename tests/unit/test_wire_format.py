@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.codec import encode
-from pipeline.schema import ScoredGroup
+from pipeline.bus.codec import encode
+from pipeline.bus.schema import ScoredGroup
 from tests.helpers import ROOT, make_group
 
 DECODER = r"""

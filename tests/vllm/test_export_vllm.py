@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.export import export_run
 from pipeline.model import load_model
+from pipeline.ops.export import export_run
 from tests.unit.test_export import make_run
 from tests.vllm.conftest import VLLMServer
 from workers.engines import SamplingParams

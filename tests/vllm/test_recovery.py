@@ -23,13 +23,13 @@ from typing import Any
 
 import redis
 
-from pipeline import control
-from pipeline.bus import Bus
-from pipeline.codec import decode_entry
-from pipeline.embedded import EmbeddedRedis
-from pipeline.keys import Keys
+from pipeline.bus import control
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import decode_entry
+from pipeline.bus.keys import Keys
+from pipeline.bus.schema import RolloutGroup
 from pipeline.model import load_model, model_state_for_publish
-from pipeline.schema import RolloutGroup
+from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.transports import FileTransport
 from tests.helpers import run_header, spawn_role, wait_for, write_config
 from tests.vllm.conftest import VLLMServer

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.export import ExportError
+from pipeline.ops.export import ExportError
 
 
 def check_hub_ready() -> str:

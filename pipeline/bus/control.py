@@ -12,9 +12,9 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from pipeline.bus import Bus
-from pipeline.codec import DecodeError, decode_entry, encode
-from pipeline.schema import RunFinished, WeightsPublished
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import DecodeError, decode_entry, encode
+from pipeline.bus.schema import RunFinished, WeightsPublished
 
 log = logging.getLogger("sluice.control")
 

@@ -48,9 +48,9 @@ from typing import Literal
 
 import torch
 
+from pipeline.bus.schema import WeightsPublished
 from pipeline.config import LoraConfig, load_config
 from pipeline.devices import DTYPES
-from pipeline.schema import WeightsPublished
 from pipeline.transports import ADAPTER_FILE, MANIFEST, WeightError, WeightStore, table_sha256
 from pipeline.transports.file import SINGLE_FILE, aliases, read_full
 from pipeline.transports.lora import read_adapter
@@ -373,7 +373,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, version: int | None = No
 
 def main(args: argparse.Namespace) -> int:
     """The CLI's `export` branch: export, print what was written, push if asked."""
-    from pipeline.export_hub import check_hub_ready, push_to_hub
+    from pipeline.ops.export_hub import check_hub_ready, push_to_hub
 
     token = check_hub_ready() if args.push_to_hub else None
     done = export_run(args.run_dir, args.out, version=args.version,

@@ -68,7 +68,7 @@ class Keys:
         return f"{self.prefix}:trainer"
 
     def op(self, op_id: str) -> str:
-        """Result of one idempotent script call, kept `pipeline.bus.OP_TTL_S` seconds."""
+        """Result of one idempotent script call, kept `pipeline.bus.client.OP_TTL_S` seconds."""
         return f"{self.prefix}:op:{op_id}"
 
     def stream(self, name: str) -> str:

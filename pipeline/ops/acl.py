@@ -3,7 +3,7 @@
 The committed template holds no secret. Rendering gives every role a fresh random
 password; the ACL file gets only its SHA-256 (``#<hex>``, which Redis compares against
 ``sha256(password)``), and the passwords go to a credentials file created mode 0600 that
-`pipeline.security` reads back. Re-rendering rotates every password.
+`pipeline.bus.security` reads back. Re-rendering rotates every password.
 
 Template syntax (Redis ACL files have neither comments nor continuation lines, so the
 renderer removes both): ``#`` starts a comment line, a line starting with whitespace
@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.keys import Keys
-from pipeline.security import ROLES, Credentials, new_password, write_credentials_file
+from pipeline.bus.keys import Keys
+from pipeline.bus.security import ROLES, Credentials, new_password, write_credentials_file
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "redis" / "users.acl"
+TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "redis" / "users.acl"
 USERNAME_PREFIX = "sluice-"
 
 

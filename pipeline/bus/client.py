@@ -16,7 +16,7 @@ Every stream operation of sluice goes through `Bus`. Delivery rules enforced her
   ``owner|deadline_ms``); appending or abandoning the group requires the lease and
   releases it in the same script, and expired leases (a dead generator) are taken over.
   So an admitted group is appended at most once and never stranded.
-- State-changing scripts are idempotent per op id (`pipeline.scripts.OP_TTL_S`): a call
+- State-changing scripts are idempotent per op id (`pipeline.bus.scripts.OP_TTL_S`): a call
   retried after a lost reply returns the first call's result instead of acting again.
 - Nothing here trims unconsumed entries; streams are bounded by admission, and
   `trim_acked` frees only entries the group has acknowledged.
@@ -39,10 +39,10 @@ from redis.exceptions import AuthenticationError, BusyLoadingError, ResponseErro
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pipeline import scripts as lua
-from pipeline.codec import FIELD
-from pipeline.keys import RETIRE_REASONS, Keys
-from pipeline.security import TLSFiles, client_options
+from pipeline.bus import scripts as lua
+from pipeline.bus.codec import FIELD
+from pipeline.bus.keys import RETIRE_REASONS, Keys
+from pipeline.bus.security import TLSFiles, client_options
 
 log = logging.getLogger("sluice.bus")
 
@@ -97,7 +97,7 @@ class Bus:
         """Connect lazily (the first command opens the socket).
 
         Credentials come from arguments, else those of ``role`` from the environment or
-        the credentials file (`pipeline.security.resolve_credentials`), never from argv.
+        the credentials file (`pipeline.bus.security.resolve_credentials`), never from argv.
         ``tls`` names the CA / client certificate files of a ``rediss://`` URL.
         """
         client = aioredis.from_url(
@@ -213,7 +213,7 @@ class Bus:
     async def retire(self, stream: str, group: str, ids: list[str], reason: str,
                      op: str) -> list[str]:
         """Ack ``ids`` and count each one whose ack took effect as retired for ``reason``;
-        returns those ids. ``op`` names this logical call (`pipeline.scripts.OP_TTL_S`): a
+        returns those ids. ``op`` names this logical call (`pipeline.bus.scripts.OP_TTL_S`): a
         retry with the same op returns the first call's answer."""
         if reason not in RETIRE_REASONS:
             raise ValueError(f"unknown retire reason {reason!r}")

@@ -8,8 +8,8 @@ already written.
 Exact under ``kill -9`` at any instant: before a state-changing Redis call, the writer
 records an ``intent`` line (the call's op id and the events it would cause); after it, the
 events that happened, each carrying the op id. An intent with no events after it is
-resolved by `pipeline.audit` from the op's stored result in Redis (the idempotent scripts
-keep it `pipeline.scripts.OP_TTL_S` seconds, written atomically with the change): so a
+resolved by `pipeline.bus.audit` from the op's stored result in Redis (the idempotent scripts
+keep it `pipeline.bus.scripts.OP_TTL_S` seconds, written atomically with the change): so a
 process killed between the call and its ledger line is still counted exactly.
 
 Events (``ev``), each with ``gid`` (group id), ``role``, ``consumer``, ``t`` (unix s):

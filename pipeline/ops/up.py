@@ -7,7 +7,7 @@ evaluator. The servers are stopped by PID after every role has exited. Roles tal
 Redis; this supervisor only starts them, reads heartbeats and state, and stops them.
 
 Crashes: a role that exits abnormally (an error, ``kill -9``) is reported at once with
-the tail of its log and restarted after a backoff (`pipeline.restarts`; the pipeline
+the tail of its log and restarted after a backoff (`pipeline.ops.restarts`; the pipeline
 survives the crash: leases, reclaim, the trainer's checkpoint); one that crashes more than
 ``up.max_restarts`` times within ``up.restart_window_s`` ends the run, named.
 
@@ -33,14 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.bus.security import COMMAND_ROLES, env_for_role
 from pipeline.config import Config
-from pipeline.embedded import EmbeddedRedis, free_port
 from pipeline.evaluation import parse_target
-from pipeline.monitor import snapshot
-from pipeline.restarts import RestartPolicy
+from pipeline.ops.embedded import EmbeddedRedis, free_port
+from pipeline.ops.monitor import snapshot
+from pipeline.ops.restarts import RestartPolicy
+from pipeline.ops.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
 from pipeline.runtime import connect, redis_options
-from pipeline.security import COMMAND_ROLES, env_for_role
-from pipeline.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
 from workers.engines.vllm_server import LocalServer, launch
 
 
@@ -87,7 +87,7 @@ class Supervisor:
         out = self.cfg.output_path
         (out / "logs").mkdir(parents=True, exist_ok=True)
         log = out / "logs" / f"{name}.log"
-        args = [sys.executable, "-m", "pipeline.cli", role, self.config_path]
+        args = [sys.executable, "-m", "pipeline.ops.cli", role, self.config_path]
         if role == "train" and self.cfg.up.trainer_ranks > 1:  # one torchrun job
             args = [sys.executable, "-m", "torch.distributed.run",
                     "--nproc_per_node", str(self.cfg.up.trainer_ranks),
@@ -97,7 +97,7 @@ class Supervisor:
         for o in [*self.overrides, f"bus.redis_url={self.cfg.redis_url}"]:
             args += ["--set", o]
         args += ["--name", name, *(extra or [])]
-        # each child logs in as its own role (pipeline.security): it reads its own entry of
+        # each child logs in as its own role (pipeline.bus.security): it reads its own entry of
         # the credentials file, and inherits no other role's password from the environment
         env = {**env_for_role(os.environ, COMMAND_ROLES[role]),
                "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
@@ -120,7 +120,7 @@ class Supervisor:
         return new
 
     def handle_crashes(self, policy: RestartPolicy) -> Child | None:
-        """Restart crashed roles (`pipeline.restarts`): a crash is reported at once on
+        """Restart crashed roles (`pipeline.ops.restarts`): a crash is reported at once on
         stderr with the role's log tail, and the role is started again after its backoff.
         Returns the child to stop the run for (crashed once too often), else None."""
         now = time.time()
@@ -162,7 +162,7 @@ class Supervisor:
     def wait_for_trainer(self, timeout_s: float) -> None:
         import redis as sync_redis
 
-        from pipeline.keys import Keys
+        from pipeline.bus.keys import Keys
 
         client = sync_redis.Redis.from_url(self.cfg.redis_url,
                                            **redis_options(self.cfg, "monitor"))
@@ -400,7 +400,7 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
                 time.sleep(0.2)
         sup.terminate()
         snap = loop.run_until_complete(_final_snapshot(cfg))
-        from pipeline.report import summarize
+        from pipeline.ops.report import summarize
 
         ok = summarize(cfg, sup, snap, reason)
         ok = loop.run_until_complete(audit_run(cfg)) and ok
@@ -430,8 +430,8 @@ async def audit_run(cfg: Config) -> bool:
     returns False on any violation."""
     if not cfg.run.ledger:
         return True
-    from pipeline.audit import audit, live_view, pending_intents
-    from pipeline.ledger import read_ledgers
+    from pipeline.bus.audit import audit, live_view, pending_intents
+    from pipeline.bus.ledger import read_ledgers
 
     rows = read_ledgers(cfg.output_path)
     bus = connect(cfg, role="monitor")

@@ -16,7 +16,7 @@ from pipeline.config import Config
 from pipeline.evaluation import first_reaching, parse_target
 
 if TYPE_CHECKING:
-    from pipeline.up import Supervisor
+    from pipeline.ops.up import Supervisor
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -106,8 +106,8 @@ def parser() -> argparse.ArgumentParser:
 def _check_credentials(cfg: Config, cmd: str) -> None:
     """Resolve the credentials and TLS files of every role the command will run, so a
     missing, unreadable or too widely readable file fails now, naming the problem."""
+    from pipeline.bus.security import COMMAND_ROLES, CredentialsError, credentials_path
     from pipeline.runtime import redis_options
-    from pipeline.security import COMMAND_ROLES, CredentialsError, credentials_path
 
     if cmd == "up":
         if not cfg.bus.redis_url and credentials_path(cfg.bus.credentials_file):
@@ -121,7 +121,7 @@ def _check_credentials(cfg: Config, cmd: str) -> None:
 
 
 def _acl(cfg: Config, args: argparse.Namespace) -> int:
-    from pipeline.acl import make_acl
+    from pipeline.ops.acl import make_acl
 
     done = make_acl(args.out, None if args.all_runs else cfg.run.name, force=args.force)
     print(f"wrote {done.acl_file} (ACL users, passwords as sha256)\n"
@@ -191,7 +191,7 @@ def _tokenizer_if_present(cfg: Config) -> Any:
 def _pin(cfg: Config, args: argparse.Namespace) -> Config:
     """The config a role runs with: checked against run.json in ``run.output_dir`` and
     with ``model.path`` the run's pinned folder (`pipeline.rundir`). `sluice up` pins
-    after ``--fresh`` and building the tiny model (`pipeline.up.prepare`); the scorer
+    after ``--fresh`` and building the tiny model (`pipeline.ops.up.prepare`); the scorer
     loads no model, so it only checks an existing pin and never creates one."""
     from pipeline.rundir import pinned_config
 
@@ -207,7 +207,7 @@ def _status(cfg: Config, as_json: bool, watch_s: float) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from pipeline.monitor import render_status, snapshot
+    from pipeline.ops.monitor import render_status, snapshot
     from pipeline.runtime import connect
 
     async def once() -> dict:
@@ -236,7 +236,7 @@ def _status(cfg: Config, as_json: bool, watch_s: float) -> int:
 
 
 def _tail(cfg: Config, stream: str, from_start: bool, count: int | None) -> int:
-    from pipeline.monitor import tail
+    from pipeline.ops.monitor import tail
     from pipeline.runtime import connect
 
     async def go() -> None:
@@ -258,8 +258,8 @@ def _audit(args: argparse.Namespace) -> int:
     """Exit 0 if the history is clean, 1 with the violations listed otherwise."""
     from pathlib import Path
 
-    from pipeline.audit import LiveView, audit, live_view, pending_intents
-    from pipeline.ledger import read_ledgers
+    from pipeline.bus.audit import LiveView, audit, live_view, pending_intents
+    from pipeline.bus.ledger import read_ledgers
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "ledger").is_dir():
@@ -303,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "audit":
             return _audit(args)
         if args.cmd == "export":
-            from pipeline.export import main as export_main
+            from pipeline.ops.export import main as export_main
 
             return export_main(args)
         cfg = _load(args)
@@ -312,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_credentials(cfg, args.cmd)
         _check_role_inputs(cfg, args.cmd)
         if args.cmd == "up":
-            from pipeline.up import prepare
+            from pipeline.ops.up import prepare
 
             cfg = prepare(cfg, fresh=args.fresh, allow_config_change=args.allow_config_change)
         elif args.cmd in ("generate", "score", "eval", "train"):
@@ -321,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sluice: {e}", file=sys.stderr)
         return 2
     if args.cmd == "up":
-        from pipeline.up import run_up
+        from pipeline.ops.up import run_up
 
         return run_up(cfg, args.config, args.overrides, eval_every_s=args.eval_every)
     if args.cmd == "status":

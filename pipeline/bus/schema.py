@@ -1,6 +1,6 @@
 """Typed messages that cross process boundaries (see DESIGN.md §3).
 
-These are plain dataclasses; `pipeline.codec` is the only place that turns them into
+These are plain dataclasses; `pipeline.bus.codec` is the only place that turns them into
 bytes and back, validating everything on the way in. Arrays are numpy with fixed dtypes:
 token ids, versions int32; logprobs, rewards, advantages float32; mask uint8.
 """
@@ -16,7 +16,7 @@ SCHEMA_VERSION = 1
 
 PromptValue = Any
 """A prompt column's value: str, int, float, bool, None, or lists / str-keyed maps of these
-(a conversation is a list of ``{"role", "content"}`` maps); `pipeline.codec` validates."""
+(a conversation is a list of ``{"role", "content"}`` maps); `pipeline.bus.codec` validates."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from pipeline.schema import (
+from pipeline.bus.schema import (
     SCHEMA_VERSION,
     Limits,
     Rollout,

@@ -54,7 +54,7 @@ def vllm_specs(cfg: Config) -> list[ServerSpec]:
     v = cfg.generation.vllm
     python = Path(v.python).absolute()
     if not python.exists():
-        python = Path(__file__).resolve().parents[1] / v.python  # relative to the checkout
+        python = Path(__file__).resolve().parents[2] / v.python  # relative to the checkout
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     lora = cfg.model.lora
     model = resolve_model(cfg.model.path, cfg.model.revision).local_dir

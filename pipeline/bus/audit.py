@@ -1,4 +1,4 @@
-"""Check a run's whole delivery history from its ledgers (`pipeline.ledger`).
+"""Check a run's whole delivery history from its ledgers (`pipeline.bus.ledger`).
 
 `audit` verifies, over every event every process wrote:
 1. every admitted group retires at most once, with one reason (exactly once when the run
@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.bus import Bus
-from pipeline.codec import peek_group_id
-from pipeline.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP
-from pipeline.ledger import acted, read_ledgers
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import peek_group_id
+from pipeline.bus.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP
+from pipeline.bus.ledger import acted, read_ledgers
 
 ADV_SUM_TOL = 1e-3  # per completion: float32 advantages of a centred group sum to ~1e-7
 

@@ -1,6 +1,6 @@
 """The Lua scripts of the delivery protocol: each is one atomic step on the bus.
 
-Used only by `pipeline.bus.Bus`. All keys a script touches are passed in KEYS (they share
+Used only by `pipeline.bus.client.Bus`. All keys a script touches are passed in KEYS (they share
 the run's hash tag, so each script runs on one Redis Cluster slot), and every command a
 script calls is checked against the caller's ACL user like a direct call.
 """

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 from redis.exceptions import ResponseError
 
-from pipeline.bus import Bus
-from pipeline.codec import DecodeError, decode_entry
-from pipeline.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP
-from pipeline.schema import RolloutGroup, RunFinished, ScoredGroup, WeightsPublished
+from pipeline.bus.client import Bus
+from pipeline.bus.codec import DecodeError, decode_entry
+from pipeline.bus.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP
+from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup, WeightsPublished
 
 PIPELINE_GROUPS = (("rollouts", SCORERS_GROUP), ("scored", TRAINERS_GROUP))
 
