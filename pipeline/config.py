@@ -66,6 +66,10 @@ class BusConfig(_Section):
     """TOML file of per-role Redis users and passwords, as `sluice acl` writes it (refused
     if group/world readable); empty = ``SLUICE_REDIS_CREDENTIALS_FILE``, else credentials
     from the environment (docs/security.md). Never put a password in redis_url."""
+    cluster: bool = False
+    """redis_url names one node of a Redis Cluster: the client discovers the others and
+    routes each key to its master (redis-py's RedisCluster). Every key of a run shares
+    one hash tag, so each Lua script and MULTI touches one slot (DESIGN §2)."""
     tls_ca_file: str = ""
     """rediss:// only: PEM CA bundle the server's certificate must chain to (empty = the
     system's CAs); the hostname is always checked."""
@@ -97,6 +101,10 @@ class BusConfig(_Section):
 
         check_bus_url(self.redis_url, TLSFiles(self.tls_ca_file, self.tls_cert_file,
                                                self.tls_key_file))
+        if self.cluster and not self.redis_url.startswith(("redis://", "rediss://")):
+            raise ValueError("bus.cluster = true needs bus.redis_url = redis:// or rediss:// "
+                             "naming one node of the cluster (an embedded Redis is not a "
+                             f"cluster); got {self.redis_url!r}")
         return self
 
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pipeline.bus.client import Bus
+from pipeline.bus.client import Bus, check_cluster
 from pipeline.bus.schema import Limits
 from pipeline.bus.security import TLSFiles, client_options
 from pipeline.config import Config
@@ -73,12 +73,20 @@ def tls_files(cfg: Config) -> TLSFiles:
     return TLSFiles(cfg.bus.tls_ca_file, cfg.bus.tls_cert_file, cfg.bus.tls_key_file)
 
 
+_cluster_checked: set[str] = set()
+
+
 def connect(cfg: Config, role: str | None = None) -> Bus:
     """The run's bus, logged in as ``role`` (default: this process's role, `run_role`):
-    each role gets its own ACL user when credentials are configured (docs/security.md)."""
+    each role gets its own ACL user when credentials are configured (docs/security.md).
+    With `bus.cluster` the cluster is checked once per process (every slot served), so a
+    broken cluster is an error at start, not a role retrying ``CLUSTERDOWN``."""
+    if cfg.bus.cluster and cfg.redis_url not in _cluster_checked:
+        check_cluster(cfg.redis_url, **redis_options(cfg, role))
+        _cluster_checked.add(cfg.redis_url)
     return Bus.connect(cfg.redis_url, cfg.run.name, reconnect_max_s=cfg.bus.reconnect_max_s,
                        role=role or _process_role, credentials_file=cfg.bus.credentials_file,
-                       tls=tls_files(cfg))
+                       tls=tls_files(cfg), cluster=cfg.bus.cluster)
 
 
 def redis_options(cfg: Config, role: str | None = None) -> dict[str, Any]:

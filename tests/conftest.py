@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from pipeline.ops.embedded import EmbeddedRedis, free_port
+from pipeline.ops.embedded import EmbeddedCluster, EmbeddedRedis, free_port
 
 T = TypeVar("T")
 
@@ -29,6 +29,13 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedCluster]:
+    """One real 3-master Redis Cluster per test session (loopback, no persistence)."""
+    with EmbeddedCluster(tmp_path_factory.mktemp("cluster"), masters=3) as cluster:
+        yield cluster
 
 
 @pytest.fixture

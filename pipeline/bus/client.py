@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError, BusyLoadingError, ResponseError
+from redis.exceptions import AuthenticationError, BusyLoadingError, MovedError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -60,9 +60,66 @@ class Entry:
     deliveries: int = 1
 
 
+CLIENT_OPTIONS: dict[str, Any] = {
+    "decode_responses": False,
+    "socket_connect_timeout": 5,
+    # no command may hang forever; blocking reads use block_ms (<= 60 s) below this
+    "socket_timeout": 90,
+}
+
+
+def async_client(url: str, *, cluster: bool = False, **opts: Any) -> Any:
+    """The one way sluice opens an asyncio Redis client: a plain client, or with
+    ``cluster`` a RedisCluster that discovers the masters from ``url`` and routes each
+    key (every key of a run carries one hash tag, so a script lands on one master)."""
+    if cluster:
+        return aioredis.RedisCluster.from_url(url, **CLIENT_OPTIONS, **opts)
+    return aioredis.from_url(url, **CLIENT_OPTIONS, health_check_interval=15, **opts)
+
+
+def sync_client(url: str, *, cluster: bool = False, **opts: Any) -> Any:
+    """`async_client`'s blocking twin, for the supervisor and the tools."""
+    import redis
+
+    if cluster:
+        return redis.RedisCluster.from_url(url, **CLIENT_OPTIONS, **opts)
+    return redis.Redis.from_url(url, **CLIENT_OPTIONS, **opts)
+
+
+def check_cluster(url: str, **opts: Any) -> int:
+    """Fail fast, naming the key, unless ``url`` is a node of a healthy Redis Cluster
+    whose masters cover all 16384 slots; returns the number of masters. A role started
+    against a broken cluster would otherwise retry ``CLUSTERDOWN`` forever."""
+    import redis
+
+    client = redis.Redis.from_url(url, **CLIENT_OPTIONS, **opts)
+    try:
+        try:
+            info = client.execute_command("CLUSTER", "INFO")
+        except ResponseError as e:
+            raise ClusterModeError(f"bus.cluster = true but the Redis at bus.redis_url is not "
+                                   f"a cluster node ({e}); set bus.cluster = false") from e
+        if isinstance(info, bytes):
+            info = info.decode()
+        fields = dict(line.split(":", 1) for line in str(info).split() if ":" in line)
+        assigned = int(fields.get("cluster_slots_assigned", 0))
+        if fields.get("cluster_state") != "ok" or assigned != 16384:
+            raise ClusterModeError(
+                f"bus.redis_url: the Redis Cluster is not usable (cluster_state "
+                f"{fields.get('cluster_state')}, {assigned} of 16384 slots assigned); every "
+                "slot must have a master (redis-cli --cluster check / fix)")
+        return int(fields.get("cluster_size", 0))
+    finally:
+        client.close()
+
+
 def worker_id(role: str, name: str | None = None) -> str:
     """``role/host-pid`` unless a stable name is given (trainer ranks resume by name)."""
     return f"{role}/{name or f'{socket.gethostname()}-{os.getpid()}'}"
+
+
+class ClusterModeError(RuntimeError):
+    """The server is a Redis Cluster node but the client was not told (`bus.cluster`)."""
 
 
 class Bus:
@@ -93,23 +150,17 @@ class Bus:
     def connect(cls, url: str, run: str, *, reconnect_max_s: float = 10.0,
                 username: str | None = None, password: str | None = None,
                 role: str | None = None, credentials_file: str | None = None,
-                tls: TLSFiles | None = None) -> Bus:
+                tls: TLSFiles | None = None, cluster: bool = False) -> Bus:
         """Connect lazily (the first command opens the socket).
 
         Credentials come from arguments, else those of ``role`` from the environment or
         the credentials file (`pipeline.bus.security.resolve_credentials`), never from argv.
         ``tls`` names the CA / client certificate files of a ``rediss://`` URL.
+        ``cluster``: ``url`` is one node of a Redis Cluster (`bus.cluster`).
         """
-        client = aioredis.from_url(
-            url,
-            **client_options(url, role=role, credentials_file=credentials_file, tls=tls,
-                             username=username, password=password),
-            decode_responses=False,
-            socket_connect_timeout=5,
-            # no command may hang forever; blocking reads use block_ms (<= 60 s) below this
-            socket_timeout=90,
-            health_check_interval=15,
-        )
+        opts = client_options(url, role=role, credentials_file=credentials_file, tls=tls,
+                              username=username, password=password)
+        client = async_client(url, cluster=cluster, **opts)
         return cls(client, Keys(run), reconnect_max_s=reconnect_max_s)
 
     async def close(self) -> None:
@@ -129,6 +180,13 @@ class Bus:
             try:
                 result = await op()
             except AuthenticationError:
+                raise
+            except ResponseError as e:
+                if isinstance(e, MovedError) or str(e).startswith("MOVED"):
+                    raise ClusterModeError(
+                        f"the Redis at the bus URL is a Redis Cluster node ({e}); set "
+                        "bus.cluster = true so the client routes keys to their masters"
+                    ) from e
                 raise
             except TRANSIENT as e:
                 if self.healthy:

@@ -137,3 +137,69 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class EmbeddedCluster:
+    """A Redis Cluster of ``masters`` redis-server children on free loopback ports (no
+    replicas, no persistence), created with ``redis-cli --cluster create``: for the
+    tests and benchmarks that run the bus partitioned. ``url`` names the first node; a
+    cluster client discovers the rest."""
+
+    def __init__(self, data_dir: str | Path, masters: int = 3):
+        if masters < 3:
+            raise ValueError("redis-cli --cluster create needs at least 3 masters")
+        self.data_dir = Path(data_dir).resolve()
+        self.nodes = [EmbeddedRedis(self.data_dir / f"node{i}", port=free_port(),
+                                    appendonly=False,
+                                    extra_args=["--cluster-enabled", "yes",
+                                                "--cluster-config-file",
+                                                str(self.data_dir / f"node{i}" / "nodes.conf"),
+                                                "--cluster-node-timeout", "5000"])
+                      for i in range(masters)]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.nodes[0].port}/0"
+
+    @property
+    def ports(self) -> list[int]:
+        return [int(n.port or 0) for n in self.nodes]
+
+    def start(self, timeout_s: float = 30.0) -> EmbeddedCluster:
+        try:
+            for node in self.nodes:
+                node.start()
+            cli = shutil.which("redis-cli") or str(Path(find_redis_server()).with_name("redis-cli"))
+            subprocess.run([cli, "--cluster", "create",
+                            *[f"127.0.0.1:{p}" for p in self.ports],
+                            "--cluster-replicas", "0", "--cluster-yes"],
+                           check=True, capture_output=True, timeout=timeout_s)
+            deadline = time.monotonic() + timeout_s
+            while not all(self._state_ok(p) for p in self.ports):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"Redis Cluster on {self.ports} not ok in {timeout_s} s")
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @staticmethod
+    def _state_ok(port: int) -> bool:
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
+        try:
+            return b"cluster_state:ok" in client.execute_command("CLUSTER", "INFO")
+        except (redis.ConnectionError, redis.ResponseError, OSError):
+            return False
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> EmbeddedCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -160,12 +160,11 @@ class Supervisor:
         self.spawn("eval", "evaluator", 1, every)
 
     def wait_for_trainer(self, timeout_s: float) -> None:
-        import redis as sync_redis
-
+        from pipeline.bus.client import sync_client
         from pipeline.bus.keys import Keys
 
-        client = sync_redis.Redis.from_url(self.cfg.redis_url,
-                                           **redis_options(self.cfg, "monitor"))
+        client = sync_client(self.cfg.redis_url, cluster=self.cfg.bus.cluster,
+                             **redis_options(self.cfg, "monitor"))
         key = Keys(self.cfg.run.name).workers
         deadline = time.time() + timeout_s
         trainer = self.children[0]
