@@ -127,6 +127,9 @@ class Bus:
 
     def __init__(self, client: aioredis.Redis, keys: Keys, *, reconnect_max_s: float = 10.0):
         self.r = client
+        self.cluster = isinstance(client, aioredis.RedisCluster)
+        self._node_opts: dict[str, Any] = {}  # login/TLS options for `slot_client`
+        self._slot_clients: dict[tuple[str, int], aioredis.Redis] = {}
         self.keys = keys
         self.reconnect_max_s = reconnect_max_s
         self.healthy = True
@@ -161,10 +164,29 @@ class Bus:
         opts = client_options(url, role=role, credentials_file=credentials_file, tls=tls,
                               username=username, password=password)
         client = async_client(url, cluster=cluster, **opts)
-        return cls(client, Keys(run), reconnect_max_s=reconnect_max_s)
+        bus = cls(client, Keys(run), reconnect_max_s=reconnect_max_s)
+        bus._node_opts = {**opts, **({"ssl": True} if url.startswith("rediss:") else {})}
+        return bus
 
     async def close(self) -> None:
+        for c in self._slot_clients.values():
+            await c.aclose()
         await self.r.aclose()
+
+    async def transaction(self, key: str) -> Any:
+        """A MULTI/EXEC pipeline for keys that share ``key``'s hash tag: on a plain Redis
+        the bus's own client; on a cluster a plain client of the master serving that
+        slot (redis-py's cluster transactions run each command on a throwaway event
+        loop in a thread, whose connections cannot be closed from ours)."""
+        if not self.cluster:
+            return self.r.pipeline(transaction=True)
+        await self.r.initialize()
+        node = self.r.get_node_from_key(key)
+        addr = (node.host, int(node.port))
+        if addr not in self._slot_clients:
+            self._slot_clients[addr] = aioredis.Redis(host=addr[0], port=addr[1],
+                                                      **CLIENT_OPTIONS, **self._node_opts)
+        return self._slot_clients[addr].pipeline(transaction=True)
 
     # ------------------------------------------------------------ resilience
 

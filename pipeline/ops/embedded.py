@@ -151,7 +151,10 @@ class EmbeddedCluster:
         self.data_dir = Path(data_dir).resolve()
         self.nodes = [EmbeddedRedis(self.data_dir / f"node{i}", port=free_port(),
                                     appendonly=False,
+                                    # the cluster bus port is set, not port + 10000
+                                    # (which overflows above 55535)
                                     extra_args=["--cluster-enabled", "yes",
+                                                "--cluster-port", str(free_port()),
                                                 "--cluster-config-file",
                                                 str(self.data_dir / f"node{i}" / "nodes.conf"),
                                                 "--cluster-node-timeout", "5000"])

@@ -39,7 +39,7 @@ def _dec(v: Any) -> Any:
 async def snapshot(bus: Bus) -> dict[str, Any]:
     """Streams, groups, consumers, workers, state and the conservation check."""
     k = bus.keys
-    pipe = bus.r.pipeline(transaction=True)
+    pipe = await bus.transaction(k.state)
     pipe.hgetall(k.state)
     for name in ("rollouts", "scored", "control", "dlq"):
         pipe.xlen(k.stream(name))

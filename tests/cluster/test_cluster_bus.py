@@ -37,7 +37,8 @@ def test_cluster_mode_against_a_plain_redis_fails_at_start(redis_server: Embedde
 def test_a_cluster_missing_slots_fails_at_start(tmp_path: Path) -> None:
     """Cluster-enabled nodes that were never given slots: cluster_state fail."""
     node = EmbeddedRedis(tmp_path / "n", port=free_port(), appendonly=False,
-                         extra_args=["--cluster-enabled", "yes", "--cluster-config-file",
+                         extra_args=["--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+                                     "--cluster-config-file",
                                      str(tmp_path / "n" / "nodes.conf")])
     with node:
         with pytest.raises(ClusterModeError, match=r"0 of 16384 slots assigned"):
