@@ -19,7 +19,7 @@ Every stream operation of sluice goes through `Bus`. Delivery rules enforced her
 - State-changing scripts are idempotent per op id (`pipeline.bus.scripts.OP_TTL_S`): a call
   retried after a lost reply returns the first call's result instead of acting again.
 - Nothing here trims unconsumed entries; streams are bounded by admission, and
-  `trim_acked` frees only entries the group has acknowledged.
+  `trim_acked` frees only entries every consumer group has acknowledged, by id.
 """
 
 from __future__ import annotations
@@ -244,10 +244,14 @@ class Bus:
                                 args=[group, entry.id, "1" if retire else "0", *fields])
         return bool(done)
 
-    async def trim_acked(self, stream: str, group: str, keep: int = 1000) -> int:
-        """Delete acknowledged entries beyond the newest ``keep`` (the janitor); returns how
-        many. Streams are bounded by admission; this only frees what is already done."""
-        return int(await self._trim(keys=[stream], args=[group, keep]))
+    async def trim_acked(self, stream: str, *, keep_ms: int) -> int:
+        """The janitor: delete the entries of ``stream`` that every consumer group has
+        acknowledged and that are older than ``keep_ms`` (the acknowledged tail `sluice tail`
+        can still show); returns how many. By id only (`pipeline.bus.scripts.TRIM_ACKED`):
+        no payload is read, so a stream of large groups costs Redis no more than a small
+        one. Streams are bounded by admission; this only frees what is already done."""
+        return int(await self._trim(keys=[stream], args=[max(0, int(keep_ms))]))
+
 
     async def retire_consumer(self, stream: str, group: str, consumer: str) -> bool:
         """Leave the group if nothing is pending on ``consumer`` (a clean scale-down)."""
