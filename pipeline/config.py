@@ -91,9 +91,11 @@ class BusConfig(_Section):
     """Ceiling of the exponential reconnect backoff."""
     control_maxlen: int = Field(1000, ge=10)
     """Approximate length cap of the control stream (announcements only)."""
-    keep_acked: int = Field(1000, ge=0)
-    """Acknowledged entries kept at the end of ``rollouts`` and ``scored`` for `sluice tail`;
-    older acknowledged entries are trimmed (never a pending or undelivered one)."""
+    keep_acked_s: float = Field(60.0, ge=0, le=86400)
+    """Acknowledged entries of ``rollouts`` and ``scored`` younger than this (by their
+    stream id's time) are kept for `sluice tail`; older ones that every consumer group has
+    acknowledged are trimmed by id, without reading payloads (never a pending or
+    undelivered entry). A window in time, not a count: an id window needs no entry read."""
 
     @model_validator(mode="after")
     def _check_security(self) -> BusConfig:
@@ -261,7 +263,9 @@ class GenerationConfig(_Section):
     lease_s: float = Field(60.0, ge=1, le=3600)
     """An admitted group is leased to its generator, which renews the lease every third
     of this while it works; a group whose generator died is taken over by another (or the
-    restarted) generator after this long, so an admitted group is never stranded."""
+    restarted) generator after this long plus at most a quarter of it (generators scan
+    the leases for expired ones every lease_s / 4), so an admitted group is never
+    stranded."""
     num_generations: int = Field(8, ge=2, le=1024)
     """Completions per prompt (one group)."""
     max_new_tokens: int = Field(8, ge=1)

@@ -125,7 +125,7 @@ class Reader:
         t.counts["trained_groups"] += len(retired)
         if step % TRIM_EVERY_STEPS == 0:  # janitor of `scored`
             await bus.retrying(lambda: bus.trim_acked(
-                bus.keys.scored, TRAINERS_GROUP, keep=t.cfg.bus.keep_acked), "trim")
+                bus.keys.scored, keep_ms=int(t.cfg.bus.keep_acked_s * 1000)), "trim")
 
     async def skip_step(self, bus: Bus, buf: list[Buffered], metrics: dict[str, Any]) -> None:
         """A non-finite loss or gradient: the step was not taken; its groups go to dlq."""

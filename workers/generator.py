@@ -97,6 +97,11 @@ class Generator:
         self._swap_lock = asyncio.Lock()
         self.announced = asyncio.Event()  # set by the control watcher on each new version
         self.lease_ms = int(cfg.generation.lease_s * 1000)
+        # expired leases are looked for every lease/4 (and at the first admission), not on
+        # every poll of the gate: the scan reads the whole leases hash (O(window)) on the
+        # Redis thread, and a lease only expires lease_s after its holder's last renewal
+        self.takeover_every_s = cfg.generation.lease_s / 4
+        self._next_takeover = 0.0  # time.monotonic() of the next scan
         self.leases: set[int] = set()  # cursors this process holds and still has to emit
         self.ledger = Ledger.for_role(cfg.output_path, "generator", self.wid.split("/", 1)[1],
                                       cfg.run.ledger)
@@ -147,8 +152,9 @@ class Generator:
                 stop.set()
 
     async def admit_batch(self, bus: Bus, stop: asyncio.Event) -> list[int]:
-        """Up to batch_groups cursors: first expired leases of dead generators, then new
-        admissions; waits while the gate is closed and nothing expired.
+        """Up to batch_groups cursors: first expired leases of dead generators (looked for
+        at most every ``takeover_every_s``: `takeover_due`), then new admissions; waits
+        while the gate is closed and nothing expired.
 
         The gate opens when the trainer retires a step's groups, right after it announces
         the step's weights: a closed gate is polled again 5 ms after an announcement
@@ -158,8 +164,12 @@ class Generator:
         wait_s = 0.005
         while not stop.is_set():
             self.announced.clear()
-            cursors = await bus.retrying(
-                lambda: bus.takeover(self.wid, self.lease_ms, want), "take over", stop)
+            cursors: list[int] = []
+            if self.takeover_due():
+                cursors = await bus.retrying(
+                    lambda: bus.takeover(self.wid, self.lease_ms, want), "take over", stop)
+                if len(cursors) >= want:  # a full batch: more may have expired, look again
+                    self._next_takeover = 0.0
             for c in cursors:
                 self.leases.add(c)
                 self.taken_over += 1
@@ -182,6 +192,17 @@ class Generator:
             self.gate_wait_s += time.monotonic() - t0
             wait_s = 0.005 if self.announced.is_set() else min(wait_s * 1.5, 0.2)
         return []
+
+    def takeover_due(self) -> bool:
+        """Whether this poll of the gate scans for expired leases; the next scan is then
+        ``takeover_every_s`` away. A dead generator's group is thus taken over at most
+        lease_s + lease_s/4 after its last renewal (the gate itself is polled far more
+        often: one cheap ADMIT per group)."""
+        now = time.monotonic()
+        if now < self._next_takeover:
+            return False
+        self._next_takeover = now + self.takeover_every_s
+        return True
 
     def group_id(self, cursor: int) -> str:
         epoch, idx = prompt_for_cursor(cursor, len(self.task), self.cfg.run.seed)

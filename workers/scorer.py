@@ -250,7 +250,7 @@ class Scorer:
     async def janitor(self, bus: Bus) -> None:
         """Free acknowledged ``rollouts`` entries and forget long-dead consumers."""
         self.counts["trimmed"] = self.counts.get("trimmed", 0) + await bus.trim_acked(
-            bus.keys.rollouts, SCORERS_GROUP, keep=self.cfg.bus.keep_acked)
+            bus.keys.rollouts, keep_ms=int(self.cfg.bus.keep_acked_s * 1000))
         await bus.prune_consumers(bus.keys.rollouts, SCORERS_GROUP,
                                   idle_ms=10 * self.cfg.bus.claim_idle_ms)
 

@@ -73,13 +73,15 @@ class LiveView:
     state: dict[str, int]
     leased: set[int]  # admitted cursors not yet appended
     entries: dict[str, list[str]]  # group id -> unacknowledged stream entries holding it
-    ops: dict[str, Any] = field(default_factory=dict)  # op id -> stored result (None: absent)
+    # (role, op id) -> stored result (None: absent); op keys are per role (`Keys.op`)
+    ops: dict[tuple[str, str], Any] = field(default_factory=dict)
 
 
-def pending_intents(rows: list[dict[str, Any]]) -> list[str]:
-    """Op ids of intents (in `read_ledgers` rows) with no event after them: calls whose
-    process may have died between the call and its ledger line (or that did nothing)."""
-    return [r["op"] for r in _unresolved(rows)]
+def pending_intents(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(role, op id) of intents (in `read_ledgers` rows) with no event after them: calls
+    whose process may have died between the call and its ledger line (or that did
+    nothing). A ledger's role is the role whose op namespace holds the call's result."""
+    return [(r["role"], r["op"]) for r in _unresolved(rows)]
 
 
 def _unresolved(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -87,7 +89,7 @@ def _unresolved(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["ev"] == "intent" and r["op"] not in recorded]
 
 
-async def live_view(bus: Bus, ops: list[str] | None = None) -> LiveView:
+async def live_view(bus: Bus, ops: list[tuple[str, str]] | None = None) -> LiveView:
     """Read the state hash, the leases, every unacknowledged (pending or not yet
     delivered) entry of ``rollouts`` and ``scored``, and the stored results of ``ops``
     (`pending_intents`). Take it with the roles stopped or paused: a moving pipeline can
@@ -110,10 +112,10 @@ async def live_view(bus: Bus, ops: list[str] | None = None) -> LiveView:
                     entries[peek_group_id(fields) or "?"].append(
                         f"{short} {entry_id.decode()} pending on {p['consumer'].decode()}")
     leased = {int(c) for c in await bus.r.hkeys(bus.keys.leases)}
-    results = {}
-    for op in ops or []:
-        raw = await bus.r.get(bus.keys.op(op))
-        results[op] = None if raw is None else json.loads(raw)
+    results: dict[tuple[str, str], Any] = {}
+    for role, op in ops or []:
+        raw = await bus.r.get(bus.keys.op(role, op))
+        results[(role, op)] = None if raw is None else json.loads(raw)
     return LiveView(await bus.state(), leased, dict(entries), results)
 
 
@@ -229,8 +231,8 @@ def _resolve_intents(rows: list[dict[str, Any]], live: LiveView | None,
         last_line[r.get("_file")] = max(last_line.get(r.get("_file"), 0), r.get("_n", 0))
     out: list[dict[str, Any]] = []
     for r in _unresolved(rows):
-        if live is not None and r["op"] in live.ops:
-            for p in acted(r["planned"], live.ops[r["op"]]):
+        if live is not None and (r["role"], r["op"]) in live.ops:
+            for p in acted(r["planned"], live.ops[(r["role"], r["op"])]):
                 out.append({**p, "role": r["role"], "consumer": r["consumer"], "t": r["t"],
                             "op": r["op"], "from_redis": True})
                 rep.from_redis += 1

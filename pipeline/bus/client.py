@@ -18,8 +18,12 @@ Every stream operation of sluice goes through `Bus`. Delivery rules enforced her
   So an admitted group is appended at most once and never stranded.
 - State-changing scripts are idempotent per op id (`pipeline.bus.scripts.OP_TTL_S`): a call
   retried after a lost reply returns the first call's result instead of acting again.
+  The result is stored under the op namespace of the role that owns the call
+  (`pipeline.bus.keys.Keys.op`): ``generator`` for emit/abandon, and for retire, hand-off
+  and dead-letter the role consuming the group acked (`pipeline.bus.keys.GROUP_ROLE`:
+  ``scorers`` -> scorer, ``trainers`` -> trainer). The ACL grants each role only its own.
 - Nothing here trims unconsumed entries; streams are bounded by admission, and
-  `trim_acked` frees only entries the group has acknowledged.
+  `trim_acked` frees only entries every consumer group has acknowledged, by id.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.bus import scripts as lua
 from pipeline.bus.codec import FIELD
-from pipeline.bus.keys import RETIRE_REASONS, Keys
+from pipeline.bus.keys import GROUP_ROLE, RETIRE_REASONS, Keys
 from pipeline.bus.security import TLSFiles, client_options
 
 log = logging.getLogger("sluice.bus")
@@ -287,6 +291,14 @@ class Bus:
         entries += [Entry(_s(i), None) for i in deleted]
         return entries
 
+    def _op(self, group: str, op: str) -> str:
+        """The op key of a script that acks ``group``'s entries: in the namespace of the
+        role consuming that group (the only role whose ACL user may ack them)."""
+        if group not in GROUP_ROLE:
+            raise ValueError(f"unknown consumer group {group!r}; expected one of "
+                             f"{sorted(GROUP_ROLE)}")
+        return self.keys.op(GROUP_ROLE[group], op)
+
     async def ack(self, stream: str, group: str, *ids: str) -> int:
         return int(await self.r.xack(stream, group, *ids)) if ids else 0
 
@@ -299,7 +311,7 @@ class Bus:
             raise ValueError(f"unknown retire reason {reason!r}")
         if not ids:
             return []
-        done = await self._retire(keys=[stream, self.keys.state, self.keys.op(op)],
+        done = await self._retire(keys=[stream, self.keys.state, self._op(group, op)],
                                   args=[group, reason, *ids])
         return [_s(i) for i in done or []]
 
@@ -307,7 +319,7 @@ class Bus:
                       payload: bytes, op: str) -> str | None:
         """Ack ``entry_id`` on ``src`` and append ``payload`` to ``dst``, atomically; the
         append happens only if this ack removed a pending entry. Returns the new id."""
-        new_id = await self._handoff(keys=[src, dst, self.keys.op(op)],
+        new_id = await self._handoff(keys=[src, dst, self._op(group, op)],
                                      args=[group, entry_id, FIELD, payload])
         return _s(new_id) if new_id else None
 
@@ -320,14 +332,17 @@ class Bus:
                              b"t", str(time.time()).encode()]
         for k, v in (entry.fields or {}).items():
             fields += [b"orig:" + k, v]
-        done = await self._dead(keys=[src, self.keys.state, self.keys.dlq, self.keys.op(op)],
+        done = await self._dead(keys=[src, self.keys.state, self.keys.dlq, self._op(group, op)],
                                 args=[group, entry.id, "1" if retire else "0", *fields])
         return bool(done)
 
-    async def trim_acked(self, stream: str, group: str, keep: int = 1000) -> int:
-        """Delete acknowledged entries beyond the newest ``keep`` (the janitor); returns how
-        many. Streams are bounded by admission; this only frees what is already done."""
-        return int(await self._trim(keys=[stream], args=[group, keep]))
+    async def trim_acked(self, stream: str, *, keep_ms: int) -> int:
+        """The janitor: delete the entries of ``stream`` that every consumer group has
+        acknowledged and that are older than ``keep_ms`` (the acknowledged tail `sluice tail`
+        can still show); returns how many. By id only (`pipeline.bus.scripts.TRIM_ACKED`):
+        no payload is read, so a stream of large groups costs Redis no more than a small
+        one. Streams are bounded by admission; this only frees what is already done."""
+        return int(await self._trim(keys=[stream], args=[max(0, int(keep_ms))]))
 
     async def retire_consumer(self, stream: str, group: str, consumer: str) -> bool:
         """Leave the group if nothing is pending on ``consumer`` (a clean scale-down)."""
@@ -368,7 +383,7 @@ class Bus:
         owner)."""
         new_id = await self._emit(
             keys=[self.keys.rollouts, self.keys.state, self.keys.leases,
-                  self.keys.op(op or f"emit:{cursor}:{owner}")],
+                  self.keys.op("generator", op or f"emit:{cursor}:{owner}")],
             args=[cursor, owner, FIELD, payload])
         return _s(new_id) if new_id else None
 
@@ -379,7 +394,7 @@ class Bus:
         ``owner`` holds its lease. Idempotent per (cursor, owner)."""
         done = await self._abandon(
             keys=[self.keys.state, self.keys.dlq, self.keys.leases,
-                  self.keys.op(op or f"abandon:{cursor}:{owner}")],
+                  self.keys.op("generator", op or f"abandon:{cursor}:{owner}")],
             args=[cursor, owner, b"reason", reason.encode()[:2000], b"role", role.encode(),
                   b"group_id", group_id.encode(), b"t", str(time.time()).encode()])
         return bool(done)

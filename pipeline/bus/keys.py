@@ -16,6 +16,15 @@ SCORERS_GROUP = "scorers"
 TRAINERS_GROUP = "trainers"
 RETIRE_REASONS = ("trained", "filtered", "stale", "dead")
 
+OP_ROLES = ("generator", "scorer", "trainer")
+"""The roles that run idempotent scripts, each in its own op namespace (`Keys.op`): the
+ACL (deploy/redis/users.acl) lets each role's user read and write only its own, so a
+compromised role cannot plant a stored result that makes another role's call look done."""
+
+GROUP_ROLE = {SCORERS_GROUP: "scorer", TRAINERS_GROUP: "trainer"}
+"""The role that consumes for each consumer group: it owns the op keys of the scripts that
+ack that group's entries (retire, hand-off, dead-letter)."""
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -67,9 +76,17 @@ class Keys:
         """String ``job id`` with a TTL: the one trainer job allowed to train this run."""
         return f"{self.prefix}:trainer"
 
-    def op(self, op_id: str) -> str:
-        """Result of one idempotent script call, kept `pipeline.bus.client.OP_TTL_S` seconds."""
-        return f"{self.prefix}:op:{op_id}"
+    def op(self, role: str, op_id: str) -> str:
+        """Result of one idempotent script call of ``role`` (one of `OP_ROLES`), kept
+        `pipeline.bus.scripts.OP_TTL_S` seconds: ``…:op:<role>:<op id>``. Namespaced by role
+        so that each ACL user is granted only its own role's results."""
+        if role not in OP_ROLES:
+            raise ValueError(f"op keys belong to one of {OP_ROLES}, not {role!r}")
+        return f"{self.prefix}:op:{role}:{op_id}"
+
+    def op_pattern(self, role: str) -> str:
+        """The glob of ``role``'s op keys (what its ACL user is granted)."""
+        return self.op(role, "*")
 
     def stream(self, name: str) -> str:
         """Full key of a stream given its short name (``rollouts``, ``scored``, …)."""

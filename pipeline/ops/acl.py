@@ -10,7 +10,9 @@ renderer removes both): ``#`` starts a comment line, a line starting with whites
 continues the previous ``user`` line, ``${prefix}`` is the key prefix of the run
 (``sluice:{RUN}``, or ``sluice:{*}`` for every run) and ``${<role>_password}`` the
 hashed password of that role. A placeholder left unrendered is an error, so a
-half-rendered file never reaches Redis.
+half-rendered file never reaches Redis; so is a grant of every role's op keys
+(``~…:op:*``): each role gets only ``op:<role>:*`` (`pipeline.bus.keys.Keys.op`), since a
+stored op result is returned instead of acting and must not be forgeable by another role.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ def render(template: str, prefix: str, passwords: dict[str, str]) -> str:
             raise ValueError(f"ACL template: {e} in {line[:60]!r}") from None
         if not re.match(r"^user \S+ ", lines[-1]):
             raise ValueError(f"ACL template: every line must define a user: {line[:60]!r}")
+        if re.search(r"~\S*:op:\*", lines[-1]):
+            raise ValueError("ACL template: op keys are granted per role (op:<role>:*), "
+                             f"not all at once: {line[:60]!r}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,21 +1,26 @@
-"""Leases, idempotent scripts and the janitor against a real redis-server.
+"""Leases and idempotent scripts against a real redis-server (the janitor: test_janitor.py).
 
 The invariants: an admitted group is appended at most once, only by its lease holder; a
-dead holder's lease is taken over; a call retried after a lost reply acts once; trimming
-frees only acknowledged entries; a consumer leaves its group only with nothing pending.
+dead holder's lease is taken over, by a scan that runs on a timer rather than on every
+poll of the gate; a call retried after a lost reply acts once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pipeline.bus.client import Bus
-from pipeline.bus.keys import SCORERS_GROUP
+from pipeline.config import load_config
 from pipeline.ops.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import wait_for_async
+from workers.generator import Generator
 
 pytestmark = pytest.mark.integration
 
@@ -82,49 +87,45 @@ def test_abandon_retires_dead_once_even_when_retried(redis_server: EmbeddedRedis
     arun(go())
 
 
-def test_trim_frees_only_acknowledged_entries(redis_server: EmbeddedRedis,
-                                              run_name: str) -> None:
-    async def go() -> None:
-        bus = Bus.connect(redis_server.url, run_name)
-        k = bus.keys
-        await bus.ensure_group(k.rollouts, SCORERS_GROUP)
-        ids = [await bus.xadd(k.rollouts, b"%d" % i) for i in range(10)]
-        assert await bus.trim_acked(k.rollouts, SCORERS_GROUP, keep=0) == 0  # none delivered
-        got = await bus.read_group(k.rollouts, SCORERS_GROUP, "c", count=6, block_ms=10)
-        await bus.ack(k.rollouts, SCORERS_GROUP, *[e.id for e in got[:2]], got[3].id)
-        # ids 0,1 acked; 2 pending; 3 acked (behind a pending one); 4,5 pending; 6-9 new
-        assert await bus.trim_acked(k.rollouts, SCORERS_GROUP, keep=0) == 2
-        left = [i.decode() for i, _ in await bus.r.xrange(k.rollouts)]
-        assert left == ids[2:]
-        await bus.ack(k.rollouts, SCORERS_GROUP, got[2].id, got[4].id, got[5].id)
-        # all delivered entries acked: trims up to (not including) the last delivered one,
-        # or fewer to keep a tail of `keep` entries
-        assert await bus.trim_acked(k.rollouts, SCORERS_GROUP, keep=6) == 2
-        assert [i.decode() for i, _ in await bus.r.xrange(k.rollouts)] == ids[4:]
-        assert await bus.trim_acked(k.rollouts, SCORERS_GROUP, keep=0) == 1
-        assert [i.decode() for i, _ in await bus.r.xrange(k.rollouts)] == ids[5:]
-        await bus.close()
+def test_the_takeover_scan_runs_on_a_timer_not_on_every_poll(
+        redis_server: EmbeddedRedis, run_name: str, tiny_model_dir: Path,
+        tmp_path: Path) -> None:
+    """A generator at a gate closed by a dead generator's leases polls the gate often, but
+    scans the leases only every lease_s/4; it still takes them over once they expire."""
+    cfg = load_config(None, [f"run.name={run_name}", f"run.output_dir={tmp_path}",
+                             f"bus.redis_url={redis_server.url}",
+                             f"model.path={tiny_model_dir}", "model.init=''",
+                             "generation.lease_s=2", "generation.batch_groups=2",
+                             "trainer.admission_window=2"])
+    gen = Generator(cfg, "g0")
+    assert gen.takeover_every_s == 0.5
 
-    arun(go())
+    async def go() -> tuple[list[int], list[int], Counter[str], float]:
+        bus = Bus.connect(cfg.redis_url, run_name)
+        calls: Counter[str] = Counter()
+        real_takeover, real_admit = bus.takeover, bus.admit
 
+        async def takeover(*a: Any, **kw: Any) -> list[int]:
+            calls["takeover"] += 1
+            return await real_takeover(*a, **kw)
 
-def test_consumer_leaves_the_group_only_with_nothing_pending(redis_server: EmbeddedRedis,
-                                                            run_name: str) -> None:
-    async def go() -> None:
-        bus = Bus.connect(redis_server.url, run_name)
-        k = bus.keys
-        await bus.ensure_group(k.rollouts, SCORERS_GROUP)
-        await bus.xadd(k.rollouts, b"x")
-        (e,) = await bus.read_group(k.rollouts, SCORERS_GROUP, "busy", count=1, block_ms=10)
-        await bus.read_group(k.rollouts, SCORERS_GROUP, "idle", count=1, block_ms=10)
-        assert await bus.retire_consumer(k.rollouts, SCORERS_GROUP, "busy") is False
-        assert await bus.retire_consumer(k.rollouts, SCORERS_GROUP, "idle") is True
-        names = {c["name"] for c in await bus.r.xinfo_consumers(k.rollouts, SCORERS_GROUP)}
-        assert names == {b"busy"}
-        await asyncio.sleep(0.05)
-        assert await bus.prune_consumers(k.rollouts, SCORERS_GROUP, idle_ms=10) == 0  # pending
-        await bus.ack(k.rollouts, SCORERS_GROUP, e.id)
-        assert await bus.prune_consumers(k.rollouts, SCORERS_GROUP, idle_ms=10) == 1
-        await bus.close()
+        async def admit(*a: Any, **kw: Any) -> int | None:
+            calls["admit"] += 1
+            return await real_admit(*a, **kw)
 
-    arun(go())
+        bus.takeover, bus.admit = takeover, admit  # type: ignore[method-assign]
+        try:  # a dead generator fills the window: the gate stays closed for 2 s
+            dead = [await real_admit(2, "generator/dead", 2000) for _ in range(2)]
+            t0 = time.monotonic()
+            got = await asyncio.wait_for(gen.admit_batch(bus, asyncio.Event()), 30)
+            return dead, got, calls, time.monotonic() - t0
+        finally:
+            await bus.close()
+
+    dead, got, calls, elapsed_s = arun(go())
+    assert sorted(got) == dead  # taken over once expired
+    assert gen.taken_over == 2 and gen.leases == set(dead)
+    # at most one scan per 0.5 s (plus the first), fewer than the polls of the gate (a
+    # scan on every poll made as many scans as polls, one more counting the last)
+    assert calls["takeover"] <= elapsed_s / gen.takeover_every_s + 2, (calls, elapsed_s)
+    assert calls["admit"] > calls["takeover"], (calls, elapsed_s)

@@ -213,8 +213,9 @@ CASES: list[tuple[str, tuple[Any, ...], bool]] = [
     ("monitor", ("XREAD", "COUNT", 1, "STREAMS", D, "0"), True),
     ("monitor", ("HGETALL", W), True),
     ("monitor", ("HKEYS", L), True),
-    ("monitor", ("GET", K.op("emit:0:g")), True),  # `sluice audit` resolves intents
-    ("monitor", ("SET", K.op("emit:0:g"), "1"), False),
+    ("monitor", ("GET", K.op("generator", "emit:0:g")), True),  # `sluice audit` reads them
+    ("monitor", ("GET", K.op("trainer", "trained:t:1:1-0")), True),
+    ("monitor", ("SET", K.op("generator", "emit:0:g"), "1"), False),
     ("monitor", ("XADD", D, "*", "m", "x"), False),
     ("monitor", ("HSET", W, "monitor/x", "{}"), False),
     ("monitor", ("XACK", R, SCORERS_GROUP, "0-1"), False),
@@ -225,6 +226,17 @@ CASES: list[tuple[str, tuple[Any, ...], bool]] = [
     ("monitor", ("SCRIPT", "LOAD", "return 1"), False),
     ("monitor", ("EVAL", "return 1", 1, ST), False),
     ("monitor", ("XRANGE", OTHER.rollouts, "-", "+"), False),
+    # op keys (stored results of idempotent scripts, returned instead of acting): each
+    # writing role reads and writes its own namespace only, so none can make another's
+    # call look done (e.g. a scorer faking the trainer's retire, which stalls the gate)
+    *[(role, (cmd, K.op(owner, "x:1:1-0"), *val), role == owner)
+      for role in ("generator", "scorer", "trainer")
+      for owner in ("generator", "scorer", "trainer")
+      for cmd, val in (("SET", ("x",)), ("GET", ()))],
+    ("scorer", ("SET", f"{K.prefix}:op:trained:trainer-0:1:1-0", "x"), False),  # old layout
+    ("generator", ("SET", f"{K.prefix}:op:handoff:s:1-0:1", "x"), False),
+    ("evaluator", ("SET", K.op("trainer", "x"), "x"), False),
+    ("scorer", ("SET", OTHER.op("scorer", "x"), "x"), False),
     # admin: everything
     ("admin", ("CONFIG", "GET", "port"), True),
     ("admin", ("XRANGE", OTHER.rollouts, "-", "+"), True),
@@ -261,6 +273,14 @@ def test_each_role_can_do_its_own_work_and_nothing_else(acl: AclServer,
             gen.eval("return redis.call('XADD', KEYS[1], '*', 'm', 'x')", 1, ST)
         with pytest.raises(redis.exceptions.NoPermissionError):
             gen.eval("return 1", 1, C)  # a script may only name the role's script keys
+        # nor another role's op keys, declared or not
+        sc = clients["scorer"]
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            sc.eval("return 1", 2, R, K.op("trainer", "trained:t:1:1-0"))
+        with pytest.raises(redis.ResponseError, match="user executing the script can't"):
+            sc.eval("return redis.call('SET', ARGV[1], 'x')", 1, K.op("scorer", "y"),
+                    K.op("trainer", "trained:t:1:1-0"))
+        assert admin.exists(K.op("trainer", "trained:t:1:1-0")) == 0
     finally:
         for c in clients.values():
             c.close()
@@ -294,6 +314,57 @@ def test_roles_run_their_scripts_through_bus_with_their_own_users(
 
     asyncio.run(go())
     assert admin.acl_log() == []
+
+
+def test_each_role_runs_its_idempotent_scripts_and_janitor_in_its_own_op_namespace(
+        acl: AclServer, admin: redis.Redis) -> None:
+    """Every idempotent script through `Bus`, each as the role that calls it in the
+    pipeline (generator: emit, abandon; scorer: hand-off, retire, dead-letter, janitor;
+    trainer: retire, dead-letter, janitor): nothing refused, and each result is stored
+    under its caller's op namespace only."""
+    srv, creds_file = acl.srv, acl.creds
+    admin.script_flush()
+
+    async def go() -> None:
+        def bus(role: str) -> Bus:
+            return Bus.connect(srv.url, RUN, role=role, credentials_file=str(creds_file))
+
+        gen, sc, tr = bus("generator"), bus("scorer"), bus("trainer")
+        try:
+            await sc.ensure_group(R, SCORERS_GROUP)
+            await sc.ensure_group(S, TRAINERS_GROUP)
+            cursors = [await gen.admit(8, "generator/g") for _ in range(5)]
+            for c in cursors[:4]:
+                assert await gen.emit(b"g", cursor=c, owner="generator/g", op=f"emit:{c}")
+            assert await gen.abandon("0:4", cursor=cursors[4], owner="generator/g",
+                                     reason="test", role="generator/g", op="abandon:4")
+            got = await sc.read_group(R, SCORERS_GROUP, "s", count=4, block_ms=10)
+            for n, e in enumerate(got[:2]):
+                assert await sc.handoff(R, SCORERS_GROUP, e.id, S, b"sg", op=f"handoff:{n}")
+            assert await sc.retire(R, SCORERS_GROUP, [got[2].id], "filtered", op="filtered:2")
+            assert await sc.dead_letter(R, SCORERS_GROUP, got[3], reason="test", role="s",
+                                        retire=True, op="dead:3")
+            assert await sc.trim_acked(R, keep_ms=0) == 3  # up to the last delivered one
+            await sc.prune_consumers(R, SCORERS_GROUP, idle_ms=60_000)
+            scored = await tr.read_group(S, TRAINERS_GROUP, "t", count=2, block_ms=10)
+            assert await tr.retire(S, TRAINERS_GROUP, [scored[0].id], "trained",
+                                   op="trained:0")
+            assert await tr.dead_letter(S, TRAINERS_GROUP, scored[1], reason="test",
+                                        role="t", retire=True, op="dead:1")
+            assert await tr.trim_acked(S, keep_ms=0) == 1
+            st = await tr.state()
+            assert st["cursor"] == 5 and st["retired"] == 5 and st["generating"] == 0
+        finally:
+            for b in (gen, sc, tr):
+                await b.close()
+
+    asyncio.run(go())
+    assert admin.acl_log() == [], admin.acl_log()
+    stored = sorted(k.decode().removeprefix(f"{K.prefix}:op:")
+                    for k in admin.scan_iter(match=f"{K.prefix}:op:*"))
+    assert stored == sorted([*(f"generator:emit:{c}" for c in range(4)), "generator:abandon:4",
+                             "scorer:handoff:0", "scorer:handoff:1", "scorer:filtered:2",
+                             "scorer:dead:3", "trainer:trained:0", "trainer:dead:1"])
 
 
 # ---------------------------------------------------------------- short real pipelines

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.bus.audit import LiveView, audit
+from pipeline.bus.audit import LiveView, audit, pending_intents
 from pipeline.bus.ledger import Ledger, read_ledgers
 
 
@@ -147,14 +147,19 @@ def test_an_intent_cut_off_by_kill_is_resolved_from_the_stored_op_result(
     run = write_files(tmp_path, {"a.jsonl": clean_history(),
                                  "trainer.jsonl": [intent("trained:t:9:5-0", [TRAIN_03])]})
     state = {**STATE, "retired": 3, "retired:trained": 2}
-    rep = audit(run, live=LiveView(state, set(), {}, {"trained:t:9:5-0": ["5-0"]}))
+    op = ("trainer", "trained:t:9:5-0")  # its role's op namespace, the call's op id
+    rep = audit(run, live=LiveView(state, set(), {}, {op: ["5-0"]}))
     assert rep.ok, rep.violations
     assert rep.trained == 2 and rep.from_redis == 1
     # the call never ran (no stored result): nothing happened, 0:3 is still in flight
-    rep = audit(run, live=LiveView(STATE, set(), {"0:3": ["x"]}, {"trained:t:9:5-0": None}))
+    rep = audit(run, live=LiveView(STATE, set(), {"0:3": ["x"]}, {op: None}))
     assert rep.ok and rep.trained == 1, rep.violations
     # without Redis the outcome is unknown, and the audit says so
     rep = audit(run, STATE)
+    assert any("died during op trained:t:9:5-0" in v for v in rep.violations)
+    # another role's result under the same op id is not the trainer's (op keys per role)
+    assert pending_intents(read_ledgers(run)) == [op]
+    rep = audit(run, live=LiveView(state, set(), {}, {("scorer", op[1]): ["5-0"]}))
     assert any("died during op trained:t:9:5-0" in v for v in rep.violations)
 
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from pipeline.bus.keys import Keys
+from pipeline.bus.keys import GROUP_ROLE, OP_ROLES, SCORERS_GROUP, TRAINERS_GROUP, Keys
 
 ALL = ("rollouts", "scored", "control", "dlq", "state", "workers")
 
@@ -59,3 +59,15 @@ def test_stream_maps_short_names_to_the_stream_keys(name: str) -> None:
 def test_stream_rejects_unknown_names(name: str) -> None:
     with pytest.raises(ValueError, match="unknown stream"):
         Keys("r").stream(name)
+
+
+def test_op_keys_are_namespaced_by_the_role_that_owns_the_call() -> None:
+    k = Keys("copy")
+    assert k.op("trainer", "trained:trainer-0:1:1-0") == \
+        "sluice:{copy}:op:trainer:trained:trainer-0:1:1-0"
+    assert _hash_tag(k.op("scorer", "x")) == "copy"
+    assert k.op_pattern("generator") == "sluice:{copy}:op:generator:*"
+    assert {GROUP_ROLE[g] for g in (SCORERS_GROUP, TRAINERS_GROUP)} <= set(OP_ROLES)
+    for role in ("monitor", "evaluator", "admin", "", "trainer:x"):
+        with pytest.raises(ValueError, match="op keys belong to"):
+            k.op(role, "x")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bus.keys import Keys
+from pipeline.bus.keys import OP_ROLES, Keys
 from pipeline.bus.security import (
     ROLES,
     Credentials,
@@ -133,8 +133,21 @@ def test_template_renders_one_user_per_role_with_hashed_passwords() -> None:
     keys = set(re.findall(r"~(sluice:\{[^}]*\}:[\w:*]+)", text))
     assert keys == {f"sluice:{{demo}}:{k}" for k in
                     ("rollouts", "scored", "control", "dlq", "state", "workers", "leases",
-                     "trainer",
-                     "op:*", "*")}
+                     "trainer", "op:generator:*", "op:scorer:*", "op:trainer:*", "*")}
+
+
+def test_each_writing_role_is_granted_only_its_own_op_namespace() -> None:
+    """Op keys hold stored script results that a retried call returns instead of acting:
+    a role that could write another role's could make that role's calls look done."""
+    k = Keys("demo")
+    text = render(TEMPLATE.read_text(), k.prefix, {r: "pw" for r in ROLES})
+    users = {line.split()[1]: line for line in text.splitlines()}
+    for role in ROLES:
+        granted = set(re.findall(r"~(sluice:\{demo\}:op:[\w:*]*)", users[username(role)]))
+        assert granted == ({k.op_pattern(role)} if role in OP_ROLES else set()), role
+    assert f"~{k.prefix}:op:*" not in text  # no role-blind grant is left, nor may one be
+    with pytest.raises(ValueError, match="op keys are granted per role"):
+        render("user a on (~${prefix}:op:* +get)", k.prefix, {})
 
 
 def test_template_fails_closed() -> None:
