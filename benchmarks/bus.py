@@ -295,6 +295,7 @@ def trainer_step_s_per_group(a: argparse.Namespace, group: RolloutGroup) -> floa
     if prompt + completion > a.step_max_tokens:
         return None
     import torch  # here: the arms' processes are spawned, they never load torch
+    from transformers.utils import logging as hf_logging
 
     from benchmarks.synthetic import scored_groups
     from pipeline.model import VOCAB_SIZE, init_tiny_model, load_model
@@ -303,6 +304,7 @@ def trainer_step_s_per_group(a: argparse.Namespace, group: RolloutGroup) -> floa
     from trainer.loss import LossConfig
     from trainer.policy import StepSettings, optimize
 
+    hf_logging.disable_progress_bar()
     set_threads(a.step_threads)
     with tempfile.TemporaryDirectory(prefix="sluice-bench-bus-") as d:
         model_dir = init_tiny_model(Path(d) / "tiny", seed=0,
@@ -336,8 +338,8 @@ def report(a: argparse.Namespace, nbytes: int, target: int, group: RolloutGroup,
     roles = [*sluice.cpu_per_group, *base.cpu_per_group]
     print(f"{'path':<40}{'groups/s':>10}{'MB/s':>9}{'bus CPU ms/group':>18}  "
           + "  ".join(f"{r:>10}" for r in roles))
-    for arm, label in ((sluice, f"sluice: {a.generators} gen -> {a.scorers} scorers -> "
-                               "trainer"),
+    scorers = f"{a.scorers} scorer{'s' if a.scorers != 1 else ''}"
+    for arm, label in ((sluice, f"sluice: {a.generators} gen -> {scorers} -> trainer"),
                        (base, f"mp.Queue: {a.generators} producer -> consumer")):
         cells = "  ".join(f"{arm.cpu_per_group[r] * 1e3:>10.3f}" if r in arm.cpu_per_group
                           else f"{'':>10}" for r in roles)
@@ -388,13 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-threads", type=int, default=1, help="as trainer.threads")
     p.add_argument("--step-max-tokens", type=int, default=2048)
     p.add_argument("--quick", action="store_true",
-                   help="smoke test: 2 KB only, 1 s windows, one timed step")
+                   help="smoke test: 2 KB only, one scorer, 1 s windows, one timed step")
     a = p.parse_args(argv)
     if a.quick:
         a.sizes, a.seconds, a.warmup, a.step_repeats, a.step_groups = [2048], 1.0, 0.5, 1, 2
+        a.scorers = 1
     print(f"bus benchmark: {os.cpu_count()} CPUs, Redis on "
           f"{'loopback TCP' if a.tcp else 'a unix socket'}, AOF "
           f"{'on' if a.appendonly else 'off'}, window {a.window}, read_count {a.read_count}, "
+          f"keep_acked {a.keep_acked}, "
           f"warm-up {a.warmup:g} s, timed {a.seconds:g} s per arm; CPU ms/group by process "
           "role in the columns on the right")
     for target in a.sizes:
