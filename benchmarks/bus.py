@@ -49,7 +49,6 @@ import dataclasses
 import multiprocessing as mp
 import os
 import queue
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -65,6 +64,7 @@ from benchmarks.buslab import (
     sized_group,
     start_scorers,
     stop_processes,
+    trainer_step_s_per_group,
     wait_progress,
     wait_workers,
 )
@@ -288,44 +288,6 @@ def run_queue(a: argparse.Namespace, group: RolloutGroup) -> Arm:
         q.cancel_join_thread()
 
 
-def trainer_step_s_per_group(a: argparse.Namespace, group: RolloutGroup) -> float | None:
-    """Median wall seconds of one tiny-model optimizer step on ``--step-groups`` groups
-    of ``group``'s shape, per group; None when a sample is over ``--step-max-tokens``."""
-    prompt, completion = len(group.prompt_ids), len(group.rollouts[0].completion_ids)
-    if prompt + completion > a.step_max_tokens:
-        return None
-    import torch  # here: the arms' processes are spawned, they never load torch
-    from transformers.utils import logging as hf_logging
-
-    from benchmarks.synthetic import scored_groups
-    from pipeline.model import VOCAB_SIZE, init_tiny_model, load_model
-    from pipeline.runtime import set_threads
-    from trainer.batch import build_batch
-    from trainer.loss import LossConfig
-    from trainer.policy import StepSettings, optimize
-
-    hf_logging.disable_progress_bar()
-    set_threads(a.step_threads)
-    with tempfile.TemporaryDirectory(prefix="sluice-bench-bus-") as d:
-        model_dir = init_tiny_model(Path(d) / "tiny", seed=0,
-                                    max_position_embeddings=max(512, prompt + completion + 1))
-        model, _ = load_model(model_dir)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    settings = StepSettings(loss=LossConfig(loss_type="dapo"), temperature=1.0)
-    batches = [build_batch(scored_groups(a.step_groups, len(group.rollouts),
-                                        vocab_size=VOCAB_SIZE, prompt_tokens=(prompt, prompt),
-                                        completion_tokens=(completion, completion), seed=i),
-                           pad_id=0) for i in range(a.step_repeats + 1)]
-    optimize(model, opt, batches[0], settings)  # warm-up
-    times = []
-    for b in batches[1:]:
-        t0 = time.perf_counter()
-        optimize(model, opt, b, settings)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / a.step_groups
-
-
 def verdict(ok: bool) -> str:
     return "met" if ok else "not met"
 
@@ -408,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="sluice-bench-bus-") as d:
             sluice = run_sluice(a, group, Path(d))
         base = run_queue(a, group)
-        report(a, nbytes, target, group, sluice, base, trainer_step_s_per_group(a, group))
+        report(a, nbytes, target, group, sluice, base, trainer_step_s_per_group(
+            group, groups=a.step_groups, repeats=a.step_repeats, threads=a.step_threads,
+            max_tokens=a.step_max_tokens))
     print(f"\n{P3_LINE}")
     return 0
 

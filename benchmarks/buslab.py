@@ -1,6 +1,6 @@
 """What the bus benchmarks (`benchmarks.bus`, `benchmarks.scorer_scaleout`) share: a
-redis-server of their own, real scorer processes, rollout groups of a target size, and
-CPU accounting per process.
+redis-server of their own, real scorer processes, rollout groups of a target size, CPU
+accounting per process, and the tiny model's trainer step that bus CPU is weighed against.
 
 - The server is `pipeline.ops.embedded.EmbeddedRedis`, the one `sluice up` runs: on a
   unix socket (as `sluice up`) or on a free loopback TCP port, without persistence unless
@@ -20,8 +20,10 @@ import asyncio
 import contextlib
 import os
 import signal
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -202,3 +204,44 @@ def cpu_seconds(pids: list[int]) -> dict[int, float]:
 def cpu_used(before: dict[int, float], after: dict[int, float], pids: list[int]) -> float:
     """CPU seconds ``pids`` spent between two `cpu_seconds` readings."""
     return sum(after.get(p, before.get(p, 0.0)) - before.get(p, 0.0) for p in pids)
+
+
+def trainer_step_s_per_group(group: RolloutGroup, *, groups: int, repeats: int,
+                             threads: int, max_tokens: int) -> float | None:
+    """Median wall seconds of one tiny-model optimizer step (after a warm-up step) on
+    ``groups`` synthetic groups of ``group``'s shape, divided by ``groups``; None when a
+    sample is over ``max_tokens``. Model: `pipeline.model.init_tiny_model`; step:
+    `trainer.policy.optimize`, padded layout, loss dapo, ``threads`` torch threads."""
+    prompt, completion = len(group.prompt_ids), len(group.rollouts[0].completion_ids)
+    if prompt + completion > max_tokens:
+        return None
+    import torch  # here: the benchmarks' role processes never load torch
+    from transformers.utils import logging as hf_logging
+
+    from benchmarks.synthetic import scored_groups
+    from pipeline.model import VOCAB_SIZE, init_tiny_model, load_model
+    from pipeline.runtime import set_threads
+    from trainer.batch import build_batch
+    from trainer.loss import LossConfig
+    from trainer.policy import StepSettings, optimize
+
+    hf_logging.disable_progress_bar()
+    set_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-bus-") as d:
+        model_dir = init_tiny_model(Path(d) / "tiny", seed=0,
+                                    max_position_embeddings=max(512, prompt + completion + 1))
+        model, _ = load_model(model_dir)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    settings = StepSettings(loss=LossConfig(loss_type="dapo"), temperature=1.0)
+    batches = [build_batch(scored_groups(groups, len(group.rollouts),
+                                        vocab_size=VOCAB_SIZE, prompt_tokens=(prompt, prompt),
+                                        completion_tokens=(completion, completion), seed=i),
+                           pad_id=0) for i in range(repeats + 1)]
+    optimize(model, opt, batches[0], settings)  # warm-up
+    times = []
+    for b in batches[1:]:
+        t0 = time.perf_counter()
+        optimize(model, opt, b, settings)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / groups
