@@ -242,7 +242,7 @@ class RoleMetrics:
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
         """Observe the wall time of the ``with`` body in the histogram ``name`` (also when
-        it raises: a failed apply took that long too)."""
+        it raises: a failed batch took that long too)."""
         t0 = time.perf_counter()
         try:
             yield

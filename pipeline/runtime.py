@@ -175,5 +175,5 @@ class Heartbeat:
                 await self.bus.forget_worker(self.wid)
             else:
                 await self.beat(exited=True, healthy=False)
-        if self.metrics is not None:
-            self.metrics.close()
+        if self.metrics is not None:  # shutdown() waits for the server's poll loop
+            await asyncio.to_thread(self.metrics.close)
