@@ -474,6 +474,16 @@ class EvalConfig(_Section):
         return self
 
 
+class MetricsConfig(_Section):
+    port: int = Field(0, ge=0, le=65535)
+    """TCP port of this role's Prometheus ``/metrics`` (docs/running.md: Metrics); 0 = not
+    served. One process per port: a port in use fails the role at start. `sluice up` gives
+    each role its own free port instead (up.metrics)."""
+    host: str = Field("127.0.0.1", pattern=r"^[A-Za-z0-9_.:-]{1,253}$")
+    """Address ``/metrics`` listens on: loopback by default. ``0.0.0.0`` exposes it to the
+    network, where anyone who can reach the port reads it (no authentication)."""
+
+
 class UpConfig(_Section):
     scorers: int = Field(2, ge=0, le=64)
     """Scorer processes `sluice up` starts."""
@@ -494,6 +504,10 @@ class UpConfig(_Section):
     """The window in which a role's crashes count against max_restarts."""
     plot: bool = True
     """Write reward_curve.png into output_dir at the end."""
+    metrics: bool = True
+    """Every role `sluice up` starts serves ``/metrics`` on its own free port on
+    metrics.host (listed by `sluice status`; a restarted role gets a new one); false = no
+    role serves metrics (metrics.port is not used: roles on one machine cannot share it)."""
     stop_at: str = ""
     """Stop the run once an evaluation meets ``METRIC>=VALUE`` (or ``<=``), e.g.
     ``pass@1>=0.9`` or ``rewards/accuracy_reward>=0.5``; the metric is one the evaluator
@@ -516,6 +530,7 @@ class Config(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     up: UpConfig = Field(default_factory=UpConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _check_engine(self) -> Config:

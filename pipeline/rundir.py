@@ -46,13 +46,13 @@ RESUMABLE: tuple[str, ...] = (
     "run.max_time_s", "trainer.max_steps", "trainer.save_steps", "trainer.keep_checkpoints",
     "trainer.threads", "trainer.device", "generation.threads", "generation.device",
     "generation.vllm.urls", "generation.vllm.launch", "generation.vllm.python",
-    "generation.vllm.start_timeout_s", "up.*", "bus.*", "eval.*", "run.report_to",
+    "generation.vllm.start_timeout_s", "up.*", "bus.*", "eval.*", "metrics.*", "run.report_to",
     "run.tracking_project", "run.output_dir")
 """Keys that may change on resume without ``--allow-config-change``: time and step
 budgets, checkpoint cadence, threads, devices, where servers and Redis are (connection
-details), how `sluice up` lays the roles out, how the run is evaluated and tracked (never
-what it trains on), and ``run.output_dir`` (the directory the run.json was found in,
-however it is spelled). ``trainer.max_steps`` also stretches a
+details), how `sluice up` lays the roles out, where roles serve metrics, how the run is
+evaluated and tracked (never what it trains on), and ``run.output_dir`` (the directory the
+run.json was found in, however it is spelled). ``trainer.max_steps`` also stretches a
 decaying learning-rate schedule, which is what raising the budget of a run means."""
 MARKERS: tuple[str, ...] = (RUN_FILE, "state.json", "ledger", "checkpoints", "weights",
                             "metrics.jsonl")
@@ -235,10 +235,11 @@ def _resume(cfg: Config, saved: dict[str, Any], allow: bool, record_allowed: boo
                           "pass --allow-config-change to make this the run's config, or "
                           "use another run.output_dir (sluice up --fresh starts over)")
     # `sluice up` reports (and records) the changes of the run; a role it started differs
-    # from run.json only in connection details it was given (bus.redis_url, its servers)
-    # and would repeat the line in every role's log, so a single role reports only
-    # changes to keys outside bus.*
-    shown = changes if record_allowed else [c for c in changes if not c.key.startswith("bus.")]
+    # from run.json only in connection details it was given (bus.redis_url, its servers,
+    # its metrics port) and would repeat the line in every role's log, so a single role
+    # reports only changes to keys outside bus.* and metrics.*
+    shown = changes if record_allowed else [
+        c for c in changes if not c.key.startswith(("bus.", "metrics."))]
     if shown:
         print("sluice: resuming with changed config: " + "; ".join(map(str, shown)),
               file=sys.stderr)

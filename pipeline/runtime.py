@@ -22,6 +22,7 @@ from pipeline.bus.client import Bus, check_cluster
 from pipeline.bus.schema import Limits
 from pipeline.bus.security import TLSFiles, client_options
 from pipeline.config import Config
+from pipeline.metrics import RoleMetrics
 
 log = logging.getLogger("sluice")
 
@@ -131,26 +132,37 @@ class Heartbeat:
     """Refreshes ``workers[role/id]`` every ``period_s`` with the role's counters; a
     failed write marks the role unhealthy but never stops it.
 
+    With ``metrics`` (the role's `pipeline.metrics.RoleMetrics`), each beat also mirrors
+    the counters into it and refreshes its bus gauges, the heartbeat carries the
+    ``/metrics`` URL (``metrics``: `sluice status` lists it), and `stop` closes the
+    endpoint after the final beat: the heartbeat's life is the role's.
+
     `stop` never cancels a write in flight (a command cancelled half-way can leave a
     connection unusable): it signals the loop, which finishes its current beat and
     returns; then the final "exited" beat is written.
     """
 
-    def __init__(self, bus: Bus, wid: str, period_s: float, info: Callable[[], dict[str, Any]]):
+    def __init__(self, bus: Bus, wid: str, period_s: float, info: Callable[[], dict[str, Any]],
+                 metrics: RoleMetrics | None = None):
         self.bus, self.wid, self.period_s, self.info = bus, wid, period_s, info
+        self.metrics = metrics
         self.started = time.time()
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
 
     async def beat(self, **extra: Any) -> None:
+        m = self.metrics
+        info = {"healthy": self.bus.healthy, "reconnects": self.bus.reconnects,
+                "started": self.started, **({"metrics": m.url} if m and m.url else {}),
+                **self.info(), **extra}
         try:
-            await self.bus.heartbeat(self.wid, {"healthy": self.bus.healthy,
-                                                "reconnects": self.bus.reconnects,
-                                                "started": self.started, **self.info(),
-                                                **extra})
+            await self.bus.heartbeat(self.wid, info)
         except Exception as e:
             self.bus.healthy = False
             log.debug("heartbeat failed: %s", e)
+        if m is not None:
+            m.sync({**info, "healthy": self.bus.healthy})
+            await m.refresh(self.bus)
 
     async def _loop(self) -> None:
         while not self._stopping.is_set():
@@ -171,3 +183,5 @@ class Heartbeat:
                 await self.bus.forget_worker(self.wid)
             else:
                 await self.beat(exited=True, healthy=False)
+        if self.metrics is not None:  # shutdown() waits for the server's poll loop
+            await asyncio.to_thread(self.metrics.close)

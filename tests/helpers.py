@@ -182,6 +182,36 @@ def role_logs(out: Path) -> str:
                      for p in sorted((out / "logs").glob("*.log")))
 
 
+def scrape_metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus /metrics page: (name, sorted labels) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric_value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str,
+                 **labels: str) -> float:
+    """The one sample ``name`` (of `scrape_metrics`) whose labels include ``labels``."""
+    hits = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
+    assert len(hits) == 1, (name, labels, hits)
+    return hits[0]
+
+
+def loopback_listener() -> Any:
+    """A TCP socket listening on a free 127.0.0.1 port (a port in use, until closed)."""
+    import socket
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    return s
+
+
 
 class RedisProcess:
     """A redis-server a test starts with its own arguments (ACL file, TLS ports): always

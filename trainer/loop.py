@@ -55,6 +55,7 @@ from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import ScoredGroup
 from pipeline.config import Config
+from pipeline.metrics import start as start_metrics
 from pipeline.runtime import Heartbeat, connect, limits, set_threads
 from pipeline.tracking import Tracker, open_tracker, trainer_metrics
 from pipeline.transports import make_transport
@@ -85,6 +86,9 @@ class Trainer:
         self.wid = worker_id("trainer", self.consumer)
         self.s = setup.build(cfg)
         self.ranks = self.s.ranks
+        self.metrics = start_metrics(  # rank 0 serves, and reads what it consumes
+            cfg.metrics, "trainer", self.wid, serve=self.ranks.is_main,
+            groups=[("scored", TRAINERS_GROUP)], lengths=["scored", "dlq"], window=self.tc.window)
         self.model, self.tokenizer = self.s.model, self.s.tokenizer
         self.optimizer, self.pad_id = self.s.optimizer, self.s.pad_id
         self.step_settings = self.s.settings
@@ -201,11 +205,13 @@ class Trainer:
         """Publish the version through the run's weight transport (`pipeline.transports`:
         sharded safetensors, the LoRA adapter, or an NCCL push to the vLLM servers and
         then the files; the disk work in a worker thread) and announce it."""
+        t0 = time.perf_counter()
         msg = await self.store.publish(self.model if source is None else source,
                                        version=self.state.version, step=self.state.step)
         self.last.update(self.store.stats)
         await bus.retrying(lambda: control.announce(bus, msg, maxlen=self.cfg.bus.control_maxlen),
                            "announce")
+        self.metrics.observe("perf_weight_publish_seconds", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -264,7 +270,7 @@ class Trainer:
                                                    self.state.step > 0)
             if self.state.step < self.tc.max_steps:
                 await control.clear_finished(bus)
-            hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info)
+            hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info, self.metrics)
             hb.start()
             try:
                 reason = await self.steps(bus, stop, lock)
@@ -321,7 +327,7 @@ class Trainer:
             buf = []
             run_state = await bus.retrying(bus.state, "state")
             metrics["filtered"] = run_state.get("retired:filtered", 0)
-            self.record(groups, metrics, t0, t1)
+            self.record(groups, metrics, t0, t1, trained_at=header[1])
             if header[3]:
                 await asyncio.to_thread(self.checkpoint)
         return "max_steps" if self.state.step >= self.tc.max_steps else "stop"
@@ -352,7 +358,9 @@ class Trainer:
                 self.checkpoint()
 
     def record(self, groups: list[ScoredGroup], metrics: dict[str, float], t0: float,
-               t1: float) -> None:
+               t1: float, trained_at: int) -> None:
+        """metrics.jsonl, the trackers and /metrics (staleness per group: ``trained_at``,
+        the version the step trained, minus the group's oldest token version)."""
         now = time.time()
         rewards = np.concatenate([g.rewards for g in groups])
         n = len(rewards)
@@ -371,6 +379,7 @@ class Trainer:
             **metrics}
         self.last = {k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}
         self.log_metrics(row)
+        self.metrics.step(row, [trained_at - g.group.min_version for g in groups])
 
 
 async def main(cfg: Config, stop: asyncio.Event, rank: int = 0) -> None:

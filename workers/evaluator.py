@@ -31,6 +31,7 @@ from pipeline.bus.schema import RunFinished, WeightsPublished
 from pipeline.config import Config
 from pipeline.devices import resolve_device
 from pipeline.evaluation import summarize_scores
+from pipeline.metrics import start as start_metrics
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, set_threads
 from pipeline.tracking import Tracker, eval_metrics, open_tracker
@@ -93,6 +94,7 @@ class Evaluator:
         self.cfg = cfg
         self.every_s = every_s
         self.wid = worker_id("evaluator")
+        self.metrics = start_metrics(cfg.metrics, "evaluator", self.wid)  # before the model
         self.engine: Engine
         if cfg.eval_engine == "vllm":
             self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.revision)
@@ -127,6 +129,7 @@ class Evaluator:
         with open(self.path, "a") as f:
             f.write(json.dumps(self.last) + "\n")
         self.tracker.log(eval_metrics(self.last), step=step)  # the trainer step; never raises
+        self.metrics.evaluated(res)
         log.info("eval v%d: %s", version,
                  "  ".join(f"{k} {v:.3f}" for k, v in res.items()))
 
@@ -134,12 +137,16 @@ class Evaluator:
         """Swap in an announced version (verified; the engine is idle, so it applies now).
         False, keeping the current weights, when it cannot be loaded. Verifying and
         reading run in worker threads, so the heartbeat goes on during a big load."""
+        t0 = time.perf_counter()
         try:
             path = await self.weights.receive(msg)
-            return await self.engine.load_weights(path, msg.version, msg.format)
+            ok = await self.engine.load_weights(path, msg.version, msg.format)
         except (WeightError, OSError, ValueError) as e:
             log.warning("cannot evaluate v%d: %s", msg.version, e)
             return False
+        if ok:
+            self.metrics.observe("perf_weight_apply_seconds", time.perf_counter() - t0)
+        return ok
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.engine.start()
@@ -147,7 +154,7 @@ class Evaluator:
                  self.cfg.eval_engine, len(self.prompts), [r.name for r in self.rewards])
         bus = connect(self.cfg)
         hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s,
-                       lambda: {"version": self.engine.version, "last": self.last})
+                       lambda: {"version": self.engine.version, "last": self.last}, self.metrics)
         hb.start()
         try:
             resumed = self.path.exists() and self.path.stat().st_size > 0

@@ -34,6 +34,7 @@ from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import Rollout, RolloutGroup, RunFinished, WeightsPublished
 from pipeline.config import Config
 from pipeline.devices import resolve_device
+from pipeline.metrics import start as start_metrics
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, join, set_threads
 from pipeline.transports import WeightError, make_transport
@@ -76,6 +77,7 @@ class Generator:
     def __init__(self, cfg: Config, name: str | None = None):
         self.cfg = cfg
         self.wid = worker_id("generator", name)
+        self.metrics = start_metrics(cfg.metrics, "generator", self.wid)  # before the model
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.revision)
         self.task = task_from_config(cfg, self.tokenizer)
         # distinct, reproducible sampling streams per generator name
@@ -113,7 +115,7 @@ class Generator:
                 "dead_groups": self.dead_groups,
                 "gate_wait_s": round(self.gate_wait_s, 3), "gate_closed": self.gate_closed,
                 "rejected_weights": self.rejected_weights, "taken_over": self.taken_over,
-                "lost_leases": self.lost_leases, "engine": engine,
+                "lost_leases": self.lost_leases, "leases": len(self.leases), "engine": engine,
                 **({"healthy": False} if not engine.get("healthy", True) else {})}
 
     async def apply(self, msg: WeightsPublished) -> None:
@@ -129,6 +131,7 @@ class Generator:
         async with self._swap_lock:
             if msg.version <= self.engine.version:
                 return
+            t0 = time.perf_counter()
             try:
                 path = await self.weights.receive(msg)
             except (WeightError, OSError, ValueError) as e:
@@ -140,6 +143,8 @@ class Generator:
             except EngineError as e:
                 self.rejected_weights += 1
                 log.warning("engine could not load weights v%d: %s", msg.version, e)
+                return
+            self.metrics.observe("perf_weight_apply_seconds", time.perf_counter() - t0)
 
     async def watch_control(self, bus, stop: asyncio.Event) -> None:
         async for msg in control.watch(bus, from_id="0", stop=stop,
@@ -263,7 +268,8 @@ class Generator:
             metas.append((c, epoch, idx, prompt))
             prompt_ids.append(render_prompt(self.tokenizer, prompt["text"],
                                             self.cfg.task.system_prompt))
-        results = await self._generate(prompt_ids)
+        with self.metrics.timed("perf_generate_seconds"):
+            results = await self._generate(prompt_ids)
         t_done = time.time()
         for (c, epoch, idx, prompt), pids, comps in zip(metas, prompt_ids, results, strict=True):
             group_id = f"{epoch}:{idx}"
@@ -319,7 +325,7 @@ class Generator:
     async def run(self, stop: asyncio.Event) -> None:
         await self.engine.start()
         bus = connect(self.cfg)
-        hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info)
+        hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info, self.metrics)
         hb.start()
         watcher = asyncio.create_task(self.watch_control(bus, stop))
         producing_done = asyncio.Event()

@@ -50,6 +50,7 @@ from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup
 from pipeline.config import Config, ConfigError, RewardSpec
+from pipeline.metrics import start as start_metrics
 from pipeline.runtime import Heartbeat, connect, join, limits
 from workers.rewards import RewardError, RewardFn, load_reward, probe_reward, reward_matrix
 from workers.tasks import Task, task_from_config
@@ -62,6 +63,8 @@ class Scorer:
         self.cfg = cfg
         self.wid = worker_id("scorer", name)
         self.consumer = self.wid.split("/", 1)[1]
+        self.metrics = start_metrics(cfg.metrics, "scorer", self.wid,
+                                     groups=[("rollouts", SCORERS_GROUP)], lengths=["rollouts"])
         self.rewards: list[RewardFn] = load_rewards(cfg)
         self.weights = np.array([r.weight for r in self.rewards], dtype=np.float64)
         self.limits = limits(cfg)
@@ -208,7 +211,7 @@ class Scorer:
         bus = connect(self.cfg)
         await bus.retrying(lambda: bus.ensure_group(bus.keys.rollouts, SCORERS_GROUP), "group")
         await bus.retrying(lambda: bus.ensure_group(bus.keys.scored, TRAINERS_GROUP), "group")
-        hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info)
+        hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info, self.metrics)
         hb.start()
         watcher = asyncio.create_task(self.watch_control(bus, stop))
         claim_every_s = self.cfg.bus.claim_idle_ms / 2000

@@ -34,7 +34,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -115,6 +115,43 @@ def check_cluster(url: str, **opts: Any) -> int:
         return int(fields.get("cluster_size", 0))
     finally:
         client.close()
+
+
+@dataclass
+class GroupView:
+    """One consumer group of a stream at one instant (XINFO GROUPS): ``lag`` = entries
+    never delivered to the group (None when Redis cannot tell: entries were deleted),
+    ``pending`` = delivered and not acknowledged; ``exists`` is False for a missing stream
+    or group (then both read 0)."""
+
+    exists: bool
+    lag: int | None
+    pending: int
+    info: dict[str, Any]
+
+
+def decode_reply(v: Any) -> Any:
+    """A Redis reply with every bytes key and value (nested) decoded to str."""
+    if isinstance(v, bytes):
+        return v.decode()
+    if isinstance(v, dict):
+        return {decode_reply(k): decode_reply(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [decode_reply(x) for x in v]
+    return v
+
+
+def group_view(infos: Any, group: str) -> GroupView:
+    """``group``'s row of an XINFO GROUPS reply; ``infos`` may be the error a pipeline
+    returned for a missing stream. Pure: `sluice status` and the roles' metrics read
+    lag and pending through it, so they agree."""
+    info: dict[str, Any] = {}
+    if not isinstance(infos, Exception):
+        info = next((decode_reply(g) for g in infos or []
+                     if decode_reply(g.get("name")) == group), {})
+    lag = info.get("lag") if info else 0
+    return GroupView(exists=bool(info), lag=None if lag is None else int(lag),
+                     pending=int(info.get("pending", 0) or 0), info=info)
 
 
 def worker_id(role: str, name: str | None = None) -> str:
@@ -419,6 +456,23 @@ class Bus:
 
     async def xadd(self, stream: str, payload: bytes, *, maxlen: int | None = None) -> str:
         return _s(await self.r.xadd(stream, {FIELD: payload}, maxlen=maxlen, approximate=True))
+
+    async def stream_stats(self, streams: Sequence[str], groups: Sequence[tuple[str, str]]
+                           ) -> tuple[dict[str, int | None], dict[tuple[str, str], GroupView]]:
+        """XLEN of each stream in ``streams`` and the `GroupView` of each (stream, group)
+        in ``groups`` (short stream names: ``rollouts``, ``dlq``), in one round trip. A
+        length Redis refused (a missing permission) is None; a missing stream has 0."""
+        pipe = self.r.pipeline(transaction=False)
+        for name in streams:
+            pipe.xlen(self.keys.stream(name))
+        for name, _ in groups:
+            pipe.xinfo_groups(self.keys.stream(name))
+        res = await pipe.execute(raise_on_error=False)
+        lengths = {n: None if isinstance(v, Exception) else int(v)
+                   for n, v in zip(streams, res, strict=False)}
+        views = {g: group_view(v, g[1]) for g, v in zip(groups, res[len(streams):],
+                                                         strict=True)}
+        return lengths, views
 
     async def heartbeat(self, wid: str, info: dict[str, Any]) -> None:
         info = {"pid": os.getpid(), "host": socket.gethostname(), "t": time.time(), **info}

@@ -329,6 +329,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "tail":
         return _tail(cfg, args.stream, args.from_start, args.count)
 
+    try:
+        _run_role(cfg, args)
+    except ConfigError as e:  # found as the role starts (a metrics.port in use)
+        print(f"sluice: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_role(cfg: Config, args: argparse.Namespace) -> None:
     from pipeline.runtime import run_role
 
     if args.cmd == "generate":
@@ -350,7 +359,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.name and args.name.rsplit("-", 1)[-1].isdigit():
             rank = int(args.name.rsplit("-", 1)[-1])
         run_role(lambda stop: loop.main(cfg, stop, rank), "trainer")
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from redis.exceptions import ResponseError
 
-from pipeline.bus.client import Bus
+from pipeline.bus.client import Bus, decode_reply, group_view
 from pipeline.bus.codec import DecodeError, decode_entry
 from pipeline.bus.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup, WeightsPublished
@@ -26,18 +26,30 @@ from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup, WeightsP
 PIPELINE_GROUPS = (("rollouts", SCORERS_GROUP), ("scored", TRAINERS_GROUP))
 
 
-def _dec(v: Any) -> Any:
-    if isinstance(v, bytes):
-        return v.decode()
-    if isinstance(v, dict):
-        return {_dec(k): _dec(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_dec(x) for x in v]
-    return v
+_dec = decode_reply
+
+
+def lease_summary(raw: dict[Any, Any], now_ms: int) -> dict[str, dict[str, Any]]:
+    """The ``leases`` hash (cursor -> ``owner|deadline_ms``, Redis server time) per owner:
+    how many cursors it holds and its oldest lease's deadline in seconds from ``now_ms``
+    (negative: expired, waiting for a takeover). A malformed value counts under "?"."""
+    out: dict[str, dict[str, Any]] = {}
+    for value in raw.values():
+        owner, _, deadline = _dec(value).rpartition("|")
+        try:
+            left_s = (int(deadline) - now_ms) / 1000
+        except ValueError:
+            owner, left_s = owner or "?", None
+        row = out.setdefault(owner or "?", {"count": 0, "oldest_deadline_s": None})
+        row["count"] += 1
+        if left_s is not None and (row["oldest_deadline_s"] is None
+                                   or left_s < row["oldest_deadline_s"]):
+            row["oldest_deadline_s"] = left_s
+    return dict(sorted(out.items()))
 
 
 async def snapshot(bus: Bus) -> dict[str, Any]:
-    """Streams, groups, consumers, workers, state and the conservation check."""
+    """Streams, groups, consumers, workers, leases, state and the conservation check."""
     k = bus.keys
     pipe = await bus.transaction(k.state)
     pipe.hgetall(k.state)
@@ -46,24 +58,26 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
     for name, group in PIPELINE_GROUPS:
         pipe.xinfo_groups(k.stream(name))
         pipe.xinfo_consumers(k.stream(name), group)
+    pipe.hgetall(k.leases)
+    pipe.time()
     res = await pipe.execute(raise_on_error=False)
     state = {_dec(a): int(b) for a, b in (res[0] or {}).items()}
     lengths = dict(zip(("rollouts", "scored", "control", "dlq"), res[1:5], strict=True))
     groups: dict[str, Any] = {}
     in_streams: int | None = 0
     for i, (name, group) in enumerate(PIPELINE_GROUPS):
-        infos, consumers = res[5 + 2 * i], res[6 + 2 * i]
-        info = {}
-        if not isinstance(infos, ResponseError):
-            info = next((_dec(g) for g in infos if _dec(g.get("name")) == group), {})
+        view, consumers = group_view(res[5 + 2 * i], group), res[6 + 2 * i]
         cons = [] if isinstance(consumers, ResponseError) else [_dec(c) for c in consumers]
-        lag, pending = info.get("lag"), int(info.get("pending", 0) or 0)
-        if lag is None and info:
+        lag = view.lag if view.exists else None
+        if lag is None and view.exists:
             in_streams = None  # Redis cannot tell the lag (entries were deleted)
         elif in_streams is not None:
-            in_streams += int(lag or 0) + pending
-        groups[f"{name}/{group}"] = {"lag": lag, "pending": pending, "consumers": cons,
-                                     "exists": bool(info)}
+            in_streams += int(lag or 0) + view.pending
+        groups[f"{name}/{group}"] = {"lag": lag, "pending": view.pending, "consumers": cons,
+                                     "exists": view.exists}
+    leases_raw, now = res[-2], res[-1]
+    now_ms = int(now[0]) * 1000 + int(now[1]) // 1000 if isinstance(now, tuple | list) \
+        else int(time.time() * 1000)  # TIME refused: this machine's clock
     cursor, retired = state.get("cursor", 0), state.get("retired", 0)
     generating = state.get("generating", 0)
     in_flight = None if in_streams is None else generating + in_streams
@@ -71,6 +85,8 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
     return {
         "t": time.time(), "state": state, "lengths": lengths, "groups": groups,
         "workers": workers,
+        "leases": {} if isinstance(leases_raw, Exception) else lease_summary(leases_raw,
+                                                                              now_ms),
         "conservation": {
             "cursor": cursor, "retired": retired, "in_flight": in_flight,
             "generating": generating,
@@ -118,11 +134,12 @@ def render_status(snap: dict[str, Any], window: int | None = None) -> Any:
                         str(gi["pending"]), cons)
 
     workers = Table(title="workers", title_justify="left")
-    for col in ("worker", "pid", "version", "healthy", "age", "counters"):
+    for col in ("worker", "pid", "version", "healthy", "age", "metrics", "counters"):
         workers.add_column(col)
     for wid, w in sorted(snap["workers"].items()):
         age = now - float(w.get("t", 0))
-        skip = {"pid", "host", "t", "version", "healthy", "started", "last", "part_sums"}
+        skip = {"pid", "host", "t", "version", "healthy", "started", "last", "part_sums",
+                "metrics"}
         counters = " ".join(f"{k}={v}" for k, v in w.items()
                             if k not in skip and not isinstance(v, dict | list))
         eng = w.get("engine")
@@ -132,8 +149,15 @@ def render_status(snap: dict[str, Any], window: int | None = None) -> Any:
                          f" retries={eng.get('retries', 0)}")
         healthy = "exited" if w.get("exited") else ("yes" if w.get("healthy") else "NO")
         workers.add_row(wid, str(w.get("pid")), str(w.get("version", "")), healthy,
-                        f"{age:.1f}s", counters)
-    return Group(head, streams, workers)
+                        f"{age:.1f}s", str(w.get("metrics") or "-"), counters)
+    leases = Table(title="leases (admitted groups not yet appended)", title_justify="left")
+    for col in ("owner", "held", "oldest expires in"):
+        leases.add_column(col)
+    for owner, row in snap.get("leases", {}).items():
+        left = row["oldest_deadline_s"]
+        leases.add_row(owner, str(row["count"]), "-" if left is None else
+                       f"{left:.1f}s" if left >= 0 else f"[red]expired {-left:.1f}s ago[/]")
+    return Group(head, streams, workers, leases)
 
 
 def describe(stream: str, msg: Any) -> str:

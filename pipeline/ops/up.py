@@ -5,6 +5,8 @@ Order: embedded Redis (unless ``bus.redis_url`` is set) → local vLLM servers (
 URLs) → trainer (publishes v0 and creates the consumer groups) → scorers → generators →
 evaluator. The servers are stopped by PID after every role has exited. Roles talk only through
 Redis; this supervisor only starts them, reads heartbeats and state, and stops them.
+With ``up.metrics`` (the default) each role serves Prometheus ``/metrics`` on a free
+loopback port chosen at each (re)start (`pipeline.metrics`; `sluice status` lists them).
 
 Crashes: a role that exits abnormally (an error, ``kill -9``) is reported at once with
 the tail of its log and restarted after a backoff (`pipeline.ops.restarts`; the pipeline
@@ -94,7 +96,10 @@ class Supervisor:
                     "--max-restarts", str(self.cfg.up.trainer_restarts),
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                     "-m", "trainer", self.config_path]
-        for o in [*self.overrides, f"bus.redis_url={self.cfg.redis_url}"]:
+        # its own /metrics port (up.metrics), fresh on every start: a restarted role never
+        # waits for its old port, and one taken since `free_port` fails only that start
+        port = free_port() if self.cfg.up.metrics else 0
+        for o in [*self.overrides, f"bus.redis_url={self.cfg.redis_url}", f"metrics.port={port}"]:
             args += ["--set", o]
         args += ["--name", name, *(extra or [])]
         # each child logs in as its own role (pipeline.bus.security): it reads its own entry of

@@ -169,6 +169,8 @@ CASES: list[tuple[str, tuple[Any, ...], bool]] = [
     ("scorer", ("XAUTOCLAIM", R, SCORERS_GROUP, "s", 0, "0-0"), True),
     ("scorer", ("XACK", R, SCORERS_GROUP, "0-1"), True),
     ("scorer", ("XINFO", "GROUPS", R), True),
+    ("scorer", ("XLEN", R), True),  # /metrics: what it consumes
+    ("scorer", ("XLEN", S), False),
     ("scorer", ("XINFO", "CONSUMERS", R, SCORERS_GROUP), True),
     ("scorer", ("XTRIM", R, "MINID", "0-1"), True),
     ("scorer", ("XGROUP", "DELCONSUMER", R, SCORERS_GROUP, "s"), True),
@@ -192,6 +194,9 @@ CASES: list[tuple[str, tuple[Any, ...], bool]] = [
     ("trainer", ("XRANGE", C, "-", "+"), True),
     ("trainer", ("XDEL", C, "0-1"), True),
     ("trainer", ("HGETALL", ST), True),
+    ("trainer", ("XLEN", S), True),  # /metrics: what it consumes, and the dlq
+    ("trainer", ("XLEN", D), True),
+    ("trainer", ("XLEN", R), False),
     ("trainer", ("XADD", D, "*", "m", "x"), True),
     ("trainer", ("XREADGROUP", "GROUP", SCORERS_GROUP, "t", "STREAMS", R, ">"), False),
     ("trainer", ("XRANGE", R, "-", "+"), False),
@@ -216,6 +221,8 @@ CASES: list[tuple[str, tuple[Any, ...], bool]] = [
     ("monitor", ("GET", K.op("generator", "emit:0:g")), True),  # `sluice audit` reads them
     ("monitor", ("GET", K.op("trainer", "trained:t:1:1-0")), True),
     ("monitor", ("SET", K.op("generator", "emit:0:g"), "1"), False),
+    ("monitor", ("HGETALL", L), True),
+    ("monitor", ("TIME",), True),
     ("monitor", ("XADD", D, "*", "m", "x"), False),
     ("monitor", ("HSET", W, "monitor/x", "{}"), False),
     ("monitor", ("XACK", R, SCORERS_GROUP, "0-1"), False),

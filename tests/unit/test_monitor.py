@@ -21,3 +21,31 @@ def test_status_shows_servers_in_rotation_caps_and_an_unhealthy_generator() -> N
     text = console.export_text()
     assert "servers_up=1/2 caps=128,160 retries=5" in text
     assert "NO" in text and "groups=8" in text
+
+
+def test_lease_summary_counts_per_owner_with_the_oldest_deadline() -> None:
+    from pipeline.ops.monitor import lease_summary
+
+    raw = {b"3": b"generator/g0|10500", b"4": b"generator/g0|12000",
+           b"5": b"generator/g1|9000", b"6": b"garbage"}
+    got = lease_summary(raw, now_ms=10_000)
+    assert got["generator/g0"] == {"count": 2, "oldest_deadline_s": 0.5}
+    assert got["generator/g1"] == {"count": 1, "oldest_deadline_s": -1.0}  # expired
+    assert got["?"] == {"count": 1, "oldest_deadline_s": None}
+
+
+def test_status_lists_metrics_urls_and_leases() -> None:
+    snap = {"t": 100.0, "state": {"version": 1},
+            "conservation": {"cursor": 2, "retired": 0, "in_flight": 2, "generating": 2,
+                             "balanced": True, "by_reason": {}},
+            "lengths": {}, "groups": {},
+            "workers": {"trainer/trainer-0": {"pid": 1, "t": 99.5, "healthy": True,
+                                              "metrics": "http://127.0.0.1:9101/metrics"},
+                        "scorer/s0": {"pid": 2, "t": 99.5, "healthy": True}},
+            "leases": {"generator/g0": {"count": 2, "oldest_deadline_s": 41.5},
+                       "generator/g1": {"count": 1, "oldest_deadline_s": -3.0}}}
+    console = Console(record=True, width=240)
+    console.print(render_status(snap, window=16))
+    text = console.export_text()
+    assert "http://127.0.0.1:9101/metrics" in text
+    assert "generator/g0" in text and "41.5s" in text and "expired 3.0s ago" in text
