@@ -183,7 +183,7 @@ class Scorer:
                                                       "filtered", op=op)):
                     self.counts["filtered"] += 1
                 continue
-            sg = ScoredGroup(group=g, rewards=total.astype(np.float32),
+            sg = ScoredGroup(group=g.for_training(), rewards=total.astype(np.float32),
                              reward_parts={rf.name: parts[:, j].astype(np.float32)
                                            for j, rf in enumerate(self.rewards)},
                              advantages=np.asarray(adv, dtype=np.float32), scorer=self.wid,

@@ -109,7 +109,7 @@ def _scored(rng: random.Random, gid: str) -> ScoredGroup:
     rewards = np.array([rng.uniform(-2, 2) for _ in range(n)], dtype=np.float32)
     part = rewards.copy()
     part[rng.randrange(n)] = np.nan if rng.random() < 0.3 else part[0]  # NaN = None
-    return ScoredGroup(group=g, rewards=rewards, reward_parts={"copy_reward": part},
+    return ScoredGroup(group=g.for_training(), rewards=rewards, reward_parts={"copy_reward": part},
                        advantages=(rewards - rewards.mean()).astype(np.float32),
                        scorer="fuzz", t_scored=time.time())
 

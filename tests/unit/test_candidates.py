@@ -102,7 +102,8 @@ def _scored(i: int, prompt: list[int], rollouts: list[Rollout]) -> ScoredGroup:
     g = RolloutGroup(f"0:{i}", i, 0, {"text": "x"}, np.array(prompt, np.int32), "g", 0.0, 0.0,
                      rollouts)
     n = len(rollouts)
-    return ScoredGroup(g, np.zeros(n, np.float32), {}, np.linspace(-1, 1, n, dtype=np.float32),
+    return ScoredGroup(g.for_training(),
+                       np.zeros(n, np.float32), {}, np.linspace(-1, 1, n, dtype=np.float32),
                        "s", 0.0)
 
 
