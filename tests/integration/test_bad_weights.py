@@ -174,9 +174,10 @@ def test_generator_watching_control_skips_corrupt_entries_and_applies_good_ones(
             assert gen.engine.version == 12
             assert _same(_serving(gen), _publisher(gen).load(v12))
             assert gen.rejected_weights == len(bad)
-            # a generator that (re)starts now catches up to the same version
+            # a generator that (re)starts now catches up to the same version, announced
+            # to it by the admission reply
             late = Generator(gen.cfg, "g1")
-            await late.catch_up(bus)
+            await late.catch_up(bus, (await bus.admit_many(64, late.wid, 1000, 0)).version)
             assert late.engine.version == 12 and late.rejected_weights == 0
         finally:
             await bus.close()

@@ -128,3 +128,29 @@ def test_consumer_leaves_the_group_only_with_nothing_pending(redis_server: Embed
         await bus.close()
 
     arun(go())
+
+
+def test_pipelined_emits_act_once_each_and_only_for_the_lease_holder(
+        redis_server: EmbeddedRedis, run_name: str) -> None:
+    """`emit_many` sends a batch of EMIT scripts in one pipeline: each appends only with
+    its lease, a retried batch appends nothing twice, and a Redis that lost its script
+    cache (SCRIPT FLUSH, as after a restart) gets the script loaded again."""
+    async def go() -> None:
+        bus = Bus.connect(redis_server.url, run_name)
+        try:
+            cursors = (await bus.admit_many(8, "gen/a", 60_000, 3)).cursors
+            other = await bus.admit(8, "gen/b")
+            batch = [(c, b"g%d" % c, f"emit:{c}:gen/a") for c in [*cursors, other]]
+            await bus.r.script_flush()
+            ids = await bus.emit_many(batch, "gen/a")
+            assert all(ids[:3]) and ids[3] is None  # gen/b's cursor: not ours
+            assert await bus.emit_many(batch, "gen/a") == ids  # retried: same answers
+            rows = await bus.r.xrange(bus.keys.rollouts)
+            assert [f[b"m"] for _i, f in rows] == [b"g0", b"g1", b"g2"]
+            st = await bus.state()
+            assert st["generating"] == 1 and await bus.r.hlen(bus.keys.leases) == 1
+            assert await bus.emit_many([], "gen/a") == []
+        finally:
+            await bus.close()
+
+    arun(go())
