@@ -118,7 +118,7 @@ def test_codec_rejects_inconsistent_sets(counts: list[int], cand: list[int],
                                          match: str) -> None:
     ids = [4, 5] if len(counts) != 3 else [4, 5, 6]
     sg = _scored(0, [3], [_rollout(ids, None, None), _rollout(ids, None, None)])
-    sg.group.rollouts[0] = _rollout(ids, [0] * len(ids), [])  # encodes the keys
+    sg.group.rollouts[0] = _rollout(ids, [0] * len(ids), []).for_training()  # encodes the keys
     data = encode(sg)
     body = msgpack.unpackb(data, raw=False)
     body["ro"][0]["cand"] = np.array(cand, np.int32).tobytes()
