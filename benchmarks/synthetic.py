@@ -36,7 +36,8 @@ def scored_groups(n_groups: int, num_generations: int, *, vocab_size: int,
         group = RolloutGroup(group_id=f"0:{g}", prompt_index=g, epoch=0, prompt={},
                              prompt_ids=prompt, generator="synthetic", t_admit=0.0,
                              t_done=0.0, rollouts=rollouts)
-        out.append(ScoredGroup(group=group, rewards=rewards, reward_parts={"r": rewards},
+        out.append(ScoredGroup(group=group.for_training(),
+                               rewards=rewards, reward_parts={"r": rewards},
                                advantages=adv.astype(np.float32), scorer="synthetic",
                                t_scored=0.0))
     return out

@@ -3,7 +3,8 @@
 Pure functions over `ScoredGroup`s, computed on rank 0 from the whole step (every rank's
 share), so a multi-rank job reports the same figures as one process. As in TRL, a
 completion's length counts every completion token including the EOS, and a completion
-is *clipped* when it hit ``max_new_tokens`` (finish_reason ``length``).
+is *clipped* when it hit ``max_new_tokens`` (finish_reason ``length``; a `scored` entry
+carries it as the rollout's ``clipped`` flag, not as text).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def rollout_stats(groups: list[ScoredGroup]) -> dict[str, float]:
     """Completion lengths, the clipped fraction and the fraction of groups whose rewards
     are all equal (zero std: advantage 0 everywhere), over the step's groups."""
     lengths = np.array([len(r.completion_ids) for g in groups for r in g.group.rollouts])
-    clipped = [r.finish_reason == "length" for g in groups for r in g.group.rollouts]
+    clipped = [r.clipped for g in groups for r in g.group.rollouts]
     flat = [bool(np.isclose(np.std(g.rewards), 0.0)) for g in groups]
     if not len(lengths):
         return {}

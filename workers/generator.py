@@ -1,11 +1,15 @@
 """Generator role: admit prompts, sample groups, append them to ``rollouts``.
 
-Loop: claim up to ``batch_groups`` admission slots from the gate (Lua over ``state``);
-map each cursor to ``(epoch, prompt_index)`` by a per-epoch seeded shuffle; decode all
-their completions in one batch; XADD one `RolloutGroup` per prompt. A watcher coroutine
-follows ``control`` and queues each strictly newer, hash-verified weight version on the
-engine (verified and read in worker threads: `pipeline.transports`), which swaps it in
-between decode steps, so each token's version is exact.
+Loop: claim up to ``batch_groups`` admission slots from the gate in one script call
+(Lua over ``state``), which also returns ``state.version``; apply that version if it is
+newer than the engine's (the newest announcement, through the same `Generator.apply` as
+the watcher) before decoding, so a batch admitted right after a publish never decodes on
+the old weights; map each cursor to ``(epoch, prompt_index)`` by a per-epoch seeded
+shuffle; decode all their completions in one batch; append one `RolloutGroup` per prompt,
+all of a batch's appends in one pipelined round trip. A watcher coroutine follows
+``control`` and queues each strictly newer, hash-verified weight version on the engine
+(verified and read in worker threads: `pipeline.transports`), which swaps it in between
+decode steps, so each token's version is exact.
 
 Invariant: once admitted, a group is appended exactly once or retired ``dead``. Each
 admitted cursor is leased to this generator (``generation.lease_s``, renewed while it
@@ -21,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 import zlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -156,10 +161,12 @@ class Generator:
                 log.info("run finished (%s); stopping", msg.reason)
                 stop.set()
 
-    async def admit_batch(self, bus: Bus, stop: asyncio.Event) -> list[int]:
+    async def admit_batch(self, bus: Bus, stop: asyncio.Event) -> tuple[list[int], int]:
         """Up to batch_groups cursors: first expired leases of dead generators (looked for
-        at most every ``takeover_every_s``: `takeover_due`), then new admissions; waits
-        while the gate is closed and nothing expired.
+        at most every ``takeover_every_s``: `takeover_due`), then new admissions (one
+        script call for all of them), and ``state.version`` as that call saw it; waits
+        while the gate is closed and nothing expired. The admit call has one op id per
+        attempt at a batch, so a retry after a lost reply gets the same cursors.
 
         The gate opens when the trainer retires a step's groups, right after it announces
         the step's weights: a closed gate is polled again 5 ms after an announcement
@@ -179,24 +186,23 @@ class Generator:
                 self.leases.add(c)
                 self.taken_over += 1
                 self.ledger.write("takeover", self.group_id(c), cursor=c)
-            while len(cursors) < want:
-                c = await bus.retrying(lambda: bus.admit(window, self.wid, self.lease_ms),
-                                       "admit", stop)
-                if c is None:
-                    break
+            op, more = f"admit:{self.wid}:{uuid.uuid4().hex}", want - len(cursors)
+            got = await bus.retrying(lambda op=op, more=more: bus.admit_many(
+                window, self.wid, self.lease_ms, more, op=op), "admit", stop)
+            for c in got.cursors:
                 self.leases.add(c)
                 self.ledger.write("admitted", self.group_id(c), cursor=c)
-                cursors.append(c)
+            cursors += got.cursors
             if cursors:
                 self.gate_closed = False
-                return cursors
+                return cursors, got.version
             self.gate_closed = True
             t0 = time.monotonic()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.announced.wait(), wait_s)
             self.gate_wait_s += time.monotonic() - t0
             wait_s = 0.005 if self.announced.is_set() else min(wait_s * 1.5, 0.2)
-        return []
+        return [], 0
 
     def takeover_due(self) -> bool:
         """Whether this poll of the gate scans for expired leases; the next scan is then
@@ -231,11 +237,13 @@ class Generator:
             for c in lost:
                 log.warning("lease of cursor %d was taken over by another generator", c)
 
-    async def catch_up(self, bus) -> None:
-        """Before a batch: if ``state.version`` moved past the engine, apply the newest
-        announcement now rather than waiting for the watcher to be scheduled."""
-        st = await bus.state()
-        if st.get("version", 0) > self.engine.version:
+    async def catch_up(self, bus: Bus, version: int) -> None:
+        """Before decoding a batch admitted at ``version`` (``state.version`` in the admit
+        reply): if the engine is older, apply the newest announcement now (`apply`, as the
+        watcher would, serialised with it) rather than waiting for the watcher to be
+        scheduled. `pipeline.bus.control.announce` writes the announcement before moving
+        ``state.version``, so it is there to read."""
+        if version > self.engine.version:
             msg = await control.latest(bus)
             if msg is not None:
                 await self.apply(msg)
@@ -271,6 +279,7 @@ class Generator:
         with self.metrics.timed("perf_generate_seconds"):
             results = await self._generate(prompt_ids)
         t_done = time.time()
+        emits: list[tuple[int, bytes, str, int, list[Completion]]] = []
         for (c, epoch, idx, prompt), pids, comps in zip(metas, prompt_ids, results, strict=True):
             group_id = f"{epoch}:{idx}"
             if isinstance(comps, str):
@@ -287,12 +296,16 @@ class Generator:
                 prompt_ids=np.asarray(pids, dtype=np.int32), generator=self.wid,
                 t_admit=t_admit, t_done=t_done,
                 rollouts=[to_rollout(x, self.tokenizer) for x in comps])
-            payload = encode(group)
-            # retried on connection loss (idempotent): an admitted group must reach the stream
-            op = f"emit:{c}:{self.wid}"
-            entry_id = await self.settle(
-                bus, c, op, {"ev": "emitted", "version": int(group.min_version)},
-                lambda p=payload, c=c, op=op: bus.emit(p, cursor=c, owner=self.wid, op=op))
+            emits.append((c, encode(group), f"emit:{c}:{self.wid}", group.min_version,
+                          comps))
+        if not emits:
+            return
+        # one pipelined round trip for the batch, retried on connection loss (each EMIT is
+        # idempotent per op): an admitted group must reach the stream
+        ids = await self.settle_many(
+            bus, [(c, op, {"ev": "emitted", "version": int(v)}) for c, _p, op, v, _ in emits],
+            lambda: bus.emit_many([(c, p, op) for c, p, op, _v, _ in emits], self.wid))
+        for (*_, comps), entry_id in zip(emits, ids, strict=True):
             if entry_id:
                 self.groups += 1
                 self.completions += len(comps)
@@ -303,23 +316,34 @@ class Generator:
         """Append or abandon the leased group ``cursor`` (``call``, retried until Redis
         answers), recording it in the ledger; a falsy result means another generator had
         taken the lease over, and our copy is dropped."""
-        gid = self.group_id(cursor)
-        result = await self.ledger.settle(
-            op, [{**event, "gid": gid, "cursor": cursor}],
-            lambda: bus.retrying(call, f"{event['ev']} group"))
-        self.leases.discard(cursor)
-        if not result:
-            self.lost_leases += 1
-            log.warning("group %s was taken over by another generator; dropping ours", gid)
-            self.ledger.write("lost_lease", gid, cursor=cursor)
-        return result
+        async def one() -> list[T]:
+            return [await call()]
+        return (await self.settle_many(bus, [(cursor, op, event)], one))[0]
+
+    async def settle_many(self, bus: Bus, items: list[tuple[int, str, dict[str, object]]],
+                          call: Callable[[], Awaitable[list[T]]]) -> list[T]:
+        """`settle` of several leased groups ``(cursor, op, event)`` by one ``call`` (a
+        pipelined batch, retried as a whole until Redis answers: each script in it is
+        idempotent per op) that returns one result per item, in order."""
+        planned = [(op, [{**event, "gid": self.group_id(c), "cursor": c}])
+                   for c, op, event in items]
+        results = await self.ledger.settle_many(
+            planned, lambda: bus.retrying(call, f"{items[0][2]['ev']} group"))
+        for (cursor, _op, _ev), result in zip(items, results, strict=True):
+            self.leases.discard(cursor)
+            if not result:
+                gid = self.group_id(cursor)
+                self.lost_leases += 1
+                log.warning("group %s was taken over by another generator; dropping ours", gid)
+                self.ledger.write("lost_lease", gid, cursor=cursor)
+        return results
 
     async def produce(self, bus: Bus, stop: asyncio.Event) -> None:
         """One admit -> generate -> append loop; `run` keeps ``concurrent_batches`` of them."""
         while not stop.is_set():
-            cursors = await self.admit_batch(bus, stop)
+            cursors, version = await self.admit_batch(bus, stop)
             if cursors:  # the gate opened on a new version: decode on it, not the last one
-                await bus.retrying(lambda: self.catch_up(bus), "catch up", stop)
+                await bus.retrying(lambda v=version: self.catch_up(bus, v), "catch up", stop)
                 await self.generate_batch(bus, cursors)
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -11,9 +11,11 @@ Entries of crashed scorers are reclaimed with XAUTOCLAIM after ``claim_idle_ms``
 
 Rewards are computed for a whole read at once (`workers.rewards.reward_matrix`: one call
 per function over every completion of every decoded group, so a reward model sees a
-batch). If that call fails, each group is retried alone, so a failure is charged only to
-the groups that fail on their own: they count in ``reward_errors`` and follow the rule
-above; the others are scored.
+batch; the functions run concurrently, async ones awaited, sync ones each in a thread).
+If that call fails, each group is retried alone (concurrently), so a failure is charged
+only to the groups that fail on their own: they count in ``reward_errors`` and follow
+the rule above; the others are scored. The read's hand-offs then go to Redis in one
+pipelined round trip (`Bus.handoff_many`: one idempotent HANDOFF script per entry).
 
 At start (and in `sluice up` / `sluice score` before any role runs: `check_rewards`) each
 function is probed once on a held-out prompt of the task; one that cannot be called
@@ -167,6 +169,7 @@ class Scorer:
         sc = self.cfg.scoring
         advs = batch_advantages([t for *_, t in scored], scale_rewards=sc.scale_rewards,
                                 eps=sc.std_eps, ddof=sc.std_ddof)
+        handoffs: list[tuple[str, bytes, str, list[dict[str, object]]]] = []
         for (e, g, parts, total), adv in zip(scored, advs, strict=True):
             self.reward_sum += float(total.sum())
             self.reward_n += len(total)
@@ -186,19 +189,21 @@ class Scorer:
                                                       "filtered", op=op)):
                     self.counts["filtered"] += 1
                 continue
-            sg = ScoredGroup(group=g, rewards=total.astype(np.float32),
+            sg = ScoredGroup(group=g.for_training(), rewards=total.astype(np.float32),
                              reward_parts={rf.name: parts[:, j].astype(np.float32)
                                            for j, rf in enumerate(self.rewards)},
                              advantages=np.asarray(adv, dtype=np.float32), scorer=self.wid,
                              t_scored=time.time())
             op = self.op("handoff", e)
-            if await self.ledger.settle(
-                    op, [{"ev": "handed_off", "gid": gid, "id": e.id,
-                          "version": int(g.min_version)}],
-                    lambda e=e, sg=sg, op=op: bus.handoff(
-                        bus.keys.rollouts, SCORERS_GROUP, e.id, bus.keys.scored, encode(sg),
-                        op=op)):
-                self.counts["scored"] += 1
+            handoffs.append((e.id, encode(sg), op, [{"ev": "handed_off", "gid": gid,
+                                                     "id": e.id,
+                                                     "version": int(g.min_version)}]))
+        if handoffs:  # the read's hand-offs in one pipelined round trip (module docstring)
+            done = await self.ledger.settle_many(
+                [(op, planned) for *_, op, planned in handoffs],
+                lambda: bus.handoff_many(bus.keys.rollouts, SCORERS_GROUP, bus.keys.scored,
+                                         [(i, p, op) for i, p, op, _ in handoffs]))
+            self.counts["scored"] += sum(1 for new_id in done if new_id)
 
     async def watch_control(self, bus: Bus, stop: asyncio.Event) -> None:
         async for msg in control.watch(bus, from_id="0", stop=stop,

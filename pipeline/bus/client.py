@@ -22,6 +22,9 @@ Every stream operation of sluice goes through `Bus`. Delivery rules enforced her
   (`pipeline.bus.keys.Keys.op`): ``generator`` for emit/abandon, and for retire, hand-off
   and dead-letter the role consuming the group acked (`pipeline.bus.keys.GROUP_ROLE`:
   ``scorers`` -> scorer, ``trainers`` -> trainer). The ACL grants each role only its own.
+- Batches: one ADMIT call admits up to N cursors (`admit_many`, with ``state.version``);
+  several EMITs or HANDOFFs go in one non-transactional pipeline (`emit_many`,
+  `handoff_many`): one round trip, each script still atomic and idempotent on its own.
 - Nothing here trims unconsumed entries; streams are bounded by admission, and
   `trim_acked` frees only entries every consumer group has acknowledged, by id.
 """
@@ -34,6 +37,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -54,6 +58,16 @@ T = TypeVar("T")
 
 # Errors after which the connection is retried with backoff rather than crashing.
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, OSError)
+
+
+@dataclass
+class Admission:
+    """What one admission call got: its cursors (possibly none: the gate is closed) and
+    ``state.version`` when they were admitted."""
+
+    version: int
+    cursors: list[int]
+
 
 @dataclass
 class Entry:
@@ -356,9 +370,17 @@ class Bus:
                       payload: bytes, op: str) -> str | None:
         """Ack ``entry_id`` on ``src`` and append ``payload`` to ``dst``, atomically; the
         append happens only if this ack removed a pending entry. Returns the new id."""
-        new_id = await self._handoff(keys=[src, dst, self._op(group, op)],
-                                     args=[group, entry_id, FIELD, payload])
-        return _s(new_id) if new_id else None
+        return (await self.handoff_many(src, group, dst, [(entry_id, payload, op)]))[0]
+
+    async def handoff_many(self, src: str, group: str, dst: str,
+                           items: list[tuple[str, bytes, str]]) -> list[str | None]:
+        """`handoff` of several ``(entry_id, payload, op)`` in one round trip
+        (`pipeline.bus.scripts.pipelined`); the new ids (None where the entry was no
+        longer pending), in order."""
+        got = await lua.pipelined(self.r, self._handoff, [
+            ([src, dst, self._op(group, op)], [group, entry_id, FIELD, payload])
+            for entry_id, payload, op in items])
+        return [_s(i) if i else None for i in got]
 
     async def dead_letter(self, src: str, group: str, entry: Entry, *, reason: str, role: str,
                           retire: bool, op: str) -> bool:
@@ -391,13 +413,25 @@ class Bus:
 
     # ------------------------------------------------------------ state, gate, workers
 
+    async def admit_many(self, window: int, owner: str, lease_ms: int, count: int,
+                         op: str | None = None) -> Admission:
+        """Claim up to ``count`` admission cursors (fewer as the window allows: in flight
+        stays below ``window``), each leased to ``owner`` for ``lease_ms`` (renew with
+        `renew`), in one script call; with the run's ``state.version`` at that moment.
+        Idempotent per ``op`` (default: a fresh one per call), so a call retried after a
+        lost reply gets the same cursors instead of leaking leases to expiry."""
+        got = await self._admit(
+            keys=[self.keys.state, self.keys.leases,
+                  self.keys.op("generator", op or f"admit:{owner}:{uuid.uuid4().hex}")],
+            args=[window, owner, lease_ms, max(count, 0)])
+        return Admission(version=int(got[0]), cursors=[int(c) for c in got[1:]])
+
     async def admit(self, window: int, owner: str = "anon", lease_ms: int = 60_000
                     ) -> int | None:
-        """Claim the next admission cursor if fewer than ``window`` groups are in flight,
-        leased to ``owner`` for ``lease_ms`` (renew with `renew`)."""
-        cursor = int(await self._admit(keys=[self.keys.state, self.keys.leases],
-                                       args=[window, owner, lease_ms]))
-        return None if cursor < 0 else cursor
+        """Claim the next admission cursor if fewer than ``window`` groups are in flight
+        (`admit_many` of one)."""
+        cursors = (await self.admit_many(window, owner, lease_ms, 1)).cursors
+        return cursors[0] if cursors else None
 
     async def renew(self, owner: str, cursors: list[int], lease_ms: int) -> list[int]:
         """Extend ``owner``'s leases; returns the cursors it no longer holds."""
@@ -418,11 +452,19 @@ class Bus:
         lease (and count it out of ``generating``); None if it does not (the lease was
         taken over: the new owner appends it). Idempotent per op (default: per cursor and
         owner)."""
-        new_id = await self._emit(
-            keys=[self.keys.rollouts, self.keys.state, self.keys.leases,
-                  self.keys.op("generator", op or f"emit:{cursor}:{owner}")],
-            args=[cursor, owner, FIELD, payload])
-        return _s(new_id) if new_id else None
+        return (await self.emit_many([(cursor, payload, op or f"emit:{cursor}:{owner}")],
+                                     owner))[0]
+
+    async def emit_many(self, groups: list[tuple[int, bytes, str]], owner: str
+                        ) -> list[str | None]:
+        """`emit` of several ``(cursor, payload, op)`` in one round trip
+        (`pipeline.bus.scripts.pipelined`); the new ids (None where ``owner`` had lost the
+        lease), in order."""
+        got = await lua.pipelined(self.r, self._emit, [
+            ([self.keys.rollouts, self.keys.state, self.keys.leases,
+              self.keys.op("generator", op)],
+             [cursor, owner, FIELD, payload]) for cursor, payload, op in groups])
+        return [_s(i) if i else None for i in got]
 
     async def abandon(self, group_id: str, *, cursor: int, owner: str, reason: str,
                       role: str, op: str | None = None) -> bool:

@@ -10,18 +10,23 @@ Invariants:
   None, lists and string-keyed maps, at most 16 levels deep; its ``text`` is a string or
   a conversation (messages with a str ``role`` and a str or list ``content``).
 - ``decode(encode(m)) == m`` for every valid message.
+- A ``scored`` message carries a `TrainGroup` (gid, prompt ids, per completion the token
+  arrays and candidate sets, ``clip`` flags), never the prompt dict or the texts
+  (DESIGN §3: the trainer reads none of it). docs/wire-format.md lists every field.
 A stream entry holds one field, ``m``, with the encoded message.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from pipeline.bus.prompt_values import DecodeError as DecodeError
+from pipeline.bus.prompt_values import check_prompt_value as check_prompt_value
+from pipeline.bus.prompt_values import decode_prompt
 from pipeline.bus.schema import (
     SCHEMA_VERSION,
     Limits,
@@ -29,6 +34,8 @@ from pipeline.bus.schema import (
     RolloutGroup,
     RunFinished,
     ScoredGroup,
+    TrainGroup,
+    TrainRollout,
     WeightsPublished,
     split_candidates,
 )
@@ -37,9 +44,6 @@ FIELD = b"m"
 
 Message = RolloutGroup | ScoredGroup | WeightsPublished | RunFinished
 
-
-class DecodeError(ValueError):
-    """A message failed validation; ``str(err)`` is the reason recorded in the dlq."""
 
 
 _I32 = np.dtype("<i4")
@@ -51,19 +55,18 @@ def _arr(a: np.ndarray, dtype: np.dtype) -> bytes:
     return np.ascontiguousarray(a, dtype=dtype).tobytes()
 
 
-def _rollout_map(r: Rollout) -> dict[str, Any]:
-    m = {
-        "ids": _arr(r.completion_ids, _I32),
-        "lp": _arr(r.logprobs, _F32),
-        "ver": _arr(r.versions, _I32),
-        "mask": _arr(r.mask, _U8),
-        "fin": r.finish_reason,
-        "text": r.text,
-    }
+def _tokens_map(r: Rollout | TrainRollout) -> dict[str, Any]:
+    """The arrays both streams carry of a completion (candidate sets only if recorded)."""
+    m = {"ids": _arr(r.completion_ids, _I32), "lp": _arr(r.logprobs, _F32),
+         "ver": _arr(r.versions, _I32), "mask": _arr(r.mask, _U8)}
     if r.candidate_ids is not None and r.candidate_counts is not None:
         m["cand"] = _arr(r.candidate_ids, _I32)
         m["ncand"] = _arr(r.candidate_counts, _I32)
     return m
+
+
+def _rollout_map(r: Rollout) -> dict[str, Any]:
+    return {**_tokens_map(r), "fin": r.finish_reason, "text": r.text}
 
 
 def _group_map(g: RolloutGroup) -> dict[str, Any]:
@@ -86,9 +89,13 @@ def encode(msg: Message) -> bytes:
     if isinstance(msg, RolloutGroup):
         body = {"type": "rollout", **_group_map(msg)}
     elif isinstance(msg, ScoredGroup):
+        g = msg.group
         body = {
             "type": "scored",
-            **_group_map(msg.group),
+            "gid": g.group_id,
+            "pids": _arr(g.prompt_ids, _I32),
+            "ro": [_tokens_map(r) for r in g.rollouts],
+            "clip": _arr(np.array([r.clipped for r in g.rollouts]), _U8),
             "rew": _arr(msg.rewards, _F32),
             "parts": {k: _arr(v, _F32) for k, v in msg.reward_parts.items()},
             "adv": _arr(msg.advantages, _F32),
@@ -159,7 +166,9 @@ def _token_ids(m: dict[str, Any], key: str, where: str, limits: Limits) -> np.nd
     return a
 
 
-def _decode_rollout(m: Any, where: str, limits: Limits) -> Rollout:
+def _decode_tokens(m: Any, where: str, limits: Limits) -> dict[str, Any]:
+    """A completion's arrays (`_tokens_map`), validated: the keyword arguments shared by
+    `Rollout` and `TrainRollout`."""
     if not isinstance(m, dict):
         raise DecodeError(f"{where}: expected a map")
     ids = _token_ids(m, "ids", where, limits)
@@ -178,16 +187,14 @@ def _decode_rollout(m: Any, where: str, limits: Limits) -> Rollout:
     if len(lp) and lp.max() > 1e-3:
         raise DecodeError(f"{where}.lp: a log-probability above 0")
     cand, ncand = _candidates(m, ids, where, limits)
-    return Rollout(
-        completion_ids=ids,
-        logprobs=lp,
-        versions=ver,
-        mask=mask,
-        finish_reason=_get(m, "fin", str, where),
-        text=_get(m, "text", str, where),
-        candidate_ids=cand,
-        candidate_counts=ncand,
-    )
+    return {"completion_ids": ids, "logprobs": lp, "versions": ver, "mask": mask,
+            "candidate_ids": cand, "candidate_counts": ncand}
+
+
+def _decode_rollout(m: Any, where: str, limits: Limits) -> Rollout:
+    arrays = _decode_tokens(m, where, limits)
+    return Rollout(finish_reason=_get(m, "fin", str, where), text=_get(m, "text", str, where),
+                   **arrays)
 
 
 def _candidates(m: dict[str, Any], ids: np.ndarray, where: str,
@@ -209,63 +216,9 @@ def _candidates(m: dict[str, Any], ids: np.ndarray, where: str,
     return cand, ncand
 
 
-_MAX_PROMPT_DEPTH = 16
-
-
-def check_prompt_value(x: Any, where: str, depth: int = 0) -> None:
-    """A prompt column that can travel on the wire: a scalar, None, or lists (tuples) and
-    string-keyed maps of these, at most 16 levels deep; floats finite. The one rule for
-    what a dataset row may carry (`workers.data`) and what a decoded message may hold.
-    Raises `DecodeError` (a ValueError) naming ``where``."""
-    if depth > _MAX_PROMPT_DEPTH:
-        raise DecodeError(f"{where}: nested deeper than {_MAX_PROMPT_DEPTH} levels")
-    if x is None or isinstance(x, str | int | bool):
-        return
-    if isinstance(x, float):
-        if not math.isfinite(x):
-            raise DecodeError(f"{where}: not finite ({x})")
-        return
-    if isinstance(x, list | tuple):
-        for i, v in enumerate(x):
-            check_prompt_value(v, f"{where}[{i}]", depth + 1)
-        return
-    if isinstance(x, Mapping):
-        for k, v in x.items():
-            if not isinstance(k, str):
-                raise DecodeError(f"{where}: map keys must be str, got {type(k).__name__}")
-            check_prompt_value(v, f"{where}.{k}", depth + 1)
-        return
-    raise DecodeError(f"{where}: {type(x).__name__} is not a prompt value (strings, numbers, "
-                      "booleans, None, lists and maps only)")
-
-
-def _decode_prompt(v: Any, where: str) -> dict[str, Any]:
-    """The prompt dict: string keys; ``text`` (if present) a string or a conversation
-    (non-empty list of maps with a str ``role`` and a str-or-list ``content``); other
-    values JSON-like (`check_prompt_value`)."""
-    if not isinstance(v, dict):
-        raise DecodeError(f"{where}.prompt: expected a map")
-    for k, x in v.items():
-        if not isinstance(k, str):
-            raise DecodeError(f"{where}.prompt: keys must be str")
-        check_prompt_value(x, f"{where}.prompt.{k}")
-    text = v.get("text", "")
-    if isinstance(text, list):
-        if not text:
-            raise DecodeError(f"{where}.prompt.text: empty conversation")
-        for i, m in enumerate(text):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str | list)):
-                raise DecodeError(f"{where}.prompt.text[{i}]: a message needs a str role and "
-                                  "a str or list content")
-    elif not isinstance(text, str):
-        raise DecodeError(f"{where}.prompt.text: expected a string or a list of messages")
-    return dict(v)
-
-
-def _decode_group(m: dict[str, Any], limits: Limits) -> RolloutGroup:
-    where = "group"
-    gid = _get(m, "gid", str, where)
+def _group_head(m: dict[str, Any], limits: Limits) -> tuple[str, str, list[Any], np.ndarray]:
+    """What both group messages start with: (gid, where, raw rollouts, prompt ids)."""
+    gid = _get(m, "gid", str, "group")
     where = f"group {gid}"
     ro_raw = _get(m, "ro", list, where)
     if not ro_raw:
@@ -275,6 +228,11 @@ def _decode_group(m: dict[str, Any], limits: Limits) -> RolloutGroup:
     pids = _token_ids(m, "pids", where, limits)
     if not len(pids):  # the first completion token must be predicted from some context
         raise DecodeError(f"{where}.pids: empty prompt")
+    return gid, where, ro_raw, pids
+
+
+def _decode_group(m: dict[str, Any], limits: Limits) -> RolloutGroup:
+    gid, where, ro_raw, pids = _group_head(m, limits)
     pidx = _get(m, "pidx", int, where)
     epoch = _get(m, "epoch", int, where)
     if pidx < 0 or epoch < 0:
@@ -283,7 +241,7 @@ def _decode_group(m: dict[str, Any], limits: Limits) -> RolloutGroup:
         group_id=gid,
         prompt_index=pidx,
         epoch=epoch,
-        prompt=_decode_prompt(_get(m, "prompt", dict, where), where),
+        prompt=decode_prompt(_get(m, "prompt", dict, where), where),
         prompt_ids=pids,
         generator=_get(m, "gen", str, where),
         t_admit=_finite(_get(m, "t_admit", (int, float), where), f"{where}.t_admit"),
@@ -300,9 +258,14 @@ def _per_rollout(m: dict[str, Any], key: str, n: int, where: str, limits: Limits
 
 
 def _decode_scored(m: dict[str, Any], limits: Limits) -> ScoredGroup:
-    g = _decode_group(m, limits)
-    where = f"group {g.group_id}"
-    n = len(g.rollouts)
+    gid, where, ro_raw, pids = _group_head(m, limits)
+    n = len(ro_raw)
+    clip = _array(m, "clip", _U8, where, limits)
+    if len(clip) != n or (n and clip.max() > 1):
+        raise DecodeError(f"{where}.clip: expected {n} values of 0 or 1")
+    g = TrainGroup(gid, pids, [
+        TrainRollout(clipped=bool(c), **_decode_tokens(r, f"{where}.ro[{i}]", limits))
+        for i, (r, c) in enumerate(zip(ro_raw, clip, strict=True))])
     parts_raw = _get(m, "parts", dict, where)
     parts: dict[str, np.ndarray] = {}
     for k, v in parts_raw.items():

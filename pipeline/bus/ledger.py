@@ -85,6 +85,18 @@ class Ledger:
         self.outcome(op, planned, result)
         return result
 
+    async def settle_many(self, items: list[tuple[str, list[dict[str, Any]]]],
+                          call: Callable[[], Awaitable[list[T]]]) -> list[T]:
+        """`settle` of several ops ``(op, planned)`` done by one ``call`` (a pipelined
+        batch) that returns one result per op, in order: every intent is written before
+        the call, every outcome after it, so a kill in between is resolved as for one."""
+        for op, planned in items:
+            self.intent(op, planned)
+        results = await call()
+        for (op, planned), result in zip(items, results, strict=True):
+            self.outcome(op, planned, result)
+        return results
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

@@ -12,15 +12,36 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Wire format version, carried by every message. 2: a `scored` entry carries a `TrainGroup`
+(only what the trainer reads), no longer the whole rollout group (issue 14)."""
 
 PromptValue = Any
 """A prompt column's value: str, int, float, bool, None, or lists / str-keyed maps of these
 (a conversation is a list of ``{"role", "content"}`` maps); `pipeline.bus.codec` validates."""
 
 
+class _Tokens:
+    """What a completion on either stream offers: its version span and candidate sets.
+    (A plain mixin: the dataclasses below declare the fields.)"""
+
+    versions: np.ndarray
+    candidate_ids: np.ndarray | None
+    candidate_counts: np.ndarray | None
+
+    @property
+    def min_version(self) -> int:
+        return int(self.versions.min()) if len(self.versions) else 0
+
+    def candidate_sets(self) -> list[np.ndarray] | None:
+        """Token ``t``'s candidate ids as ``sets[t]`` (empty = unknown); None if none."""
+        if self.candidate_ids is None or self.candidate_counts is None:
+            return None
+        return split_candidates(self.candidate_ids, self.candidate_counts)
+
+
 @dataclass
-class Rollout:
+class Rollout(_Tokens):
     """One completion. Invariant: all four arrays have the same length.
 
     ``candidate_ids``/``candidate_counts`` (both or neither) record, when the sampler
@@ -39,15 +60,29 @@ class Rollout:
     candidate_ids: np.ndarray | None = None  # int32 [sum(candidate_counts)]
     candidate_counts: np.ndarray | None = None  # int32 [T]
 
-    @property
-    def min_version(self) -> int:
-        return int(self.versions.min()) if len(self.versions) else 0
+    def for_training(self) -> TrainRollout:
+        """What the trainer reads of this completion (shares the arrays, no copy)."""
+        return TrainRollout(self.completion_ids, self.logprobs, self.versions, self.mask,
+                            clipped=self.finish_reason == "length",
+                            candidate_ids=self.candidate_ids,
+                            candidate_counts=self.candidate_counts)
 
-    def candidate_sets(self) -> list[np.ndarray] | None:
-        """Token ``t``'s candidate ids as ``sets[t]`` (empty = unknown); None if none."""
-        if self.candidate_ids is None or self.candidate_counts is None:
-            return None
-        return split_candidates(self.candidate_ids, self.candidate_counts)
+
+@dataclass
+class TrainRollout(_Tokens):
+    """One completion as a `scored` entry carries it: the arrays of its `Rollout` (same
+    invariant: equal lengths; the same candidate sets, which the trainer needs to
+    renormalise top-k / top-p logprobs) and ``clipped`` (its finish reason was
+    ``length``: TRL's clipped ratio, `trainer.stats`). Not its text: no trainer code reads
+    it, and it would cross Redis twice."""
+
+    completion_ids: np.ndarray  # int32 [T]
+    logprobs: np.ndarray  # float32 [T], behaviour policy, as sampled
+    versions: np.ndarray  # int32 [T]
+    mask: np.ndarray  # uint8 [T], 1 = policy token (trained)
+    clipped: bool  # hit max_new_tokens (finish_reason "length")
+    candidate_ids: np.ndarray | None = None  # int32 [sum(candidate_counts)]
+    candidate_counts: np.ndarray | None = None  # int32 [T]
 
 
 def split_candidates(candidate_ids: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
@@ -73,12 +108,34 @@ class RolloutGroup:
     def min_version(self) -> int:
         return min(r.min_version for r in self.rollouts)
 
+    def for_training(self) -> TrainGroup:
+        """The part of this group a `scored` entry carries (shares the arrays)."""
+        return TrainGroup(self.group_id, self.prompt_ids,
+                          [r.for_training() for r in self.rollouts])
+
+
+@dataclass
+class TrainGroup:
+    """What the trainer reads of a rollout group: its id (dedup, ledger), the prompt ids
+    (each row is prompt + completion) and the completions' `TrainRollout`s. The prompt
+    dict, the texts and the generator's metadata stay on ``rollouts`` (reward functions,
+    the audit and ``sluice tail rollouts`` read them there)."""
+
+    group_id: str
+    prompt_ids: np.ndarray  # int32 [P]
+    rollouts: list[TrainRollout]
+
+    @property
+    def min_version(self) -> int:
+        return min(r.min_version for r in self.rollouts)
+
 
 @dataclass
 class ScoredGroup:
-    """A rollout group plus rewards and advantages; one row per rollout."""
+    """What the trainer needs of one scored group (DESIGN §3): the `TrainGroup`, rewards
+    and advantages; one row per rollout. Build it with ``RolloutGroup.for_training()``."""
 
-    group: RolloutGroup
+    group: TrainGroup
     rewards: np.ndarray  # float32 [n], weighted total
     reward_parts: dict[str, np.ndarray]  # name -> float32 [n], NaN where fn returned None
     advantages: np.ndarray  # float32 [n]

@@ -1,4 +1,5 @@
-"""The Lua scripts of the delivery protocol: each is one atomic step on the bus.
+"""The Lua scripts of the delivery protocol: each is one atomic step on the bus; and
+`pipelined`, which sends a batch of one script's calls in one round trip.
 
 Used only by `pipeline.bus.client.Bus`. All keys a script touches are passed in KEYS (they share
 the run's hash tag, so each script runs on one Redis Cluster slot), and every command a
@@ -6,6 +7,10 @@ script calls is checked against the caller's ACL user like a direct call.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+from redis.exceptions import NoScriptError
 
 OP_TTL_S = 600
 """How long a mutating script remembers its result under its op key. A call retried after
@@ -73,18 +78,31 @@ return 0
 """)
 
 ADMIT = """
--- KEYS: state, leases; ARGV: window, owner, lease_ms. Returns the admitted cursor, or -1
--- if the window is full. The cursor is leased to `owner` until now + lease_ms.
+-- KEYS: state, leases, op; ARGV: window, owner, lease_ms, count. Admits up to `count`
+-- cursors while fewer than `window` groups are in flight (`count` 0 admits none), each
+-- leased to `owner` until now + lease_ms. Returns {state.version, cursor...}: the weight
+-- version announced when these groups were admitted (0 before any), which the generator
+-- applies before decoding them, in the same reply (no second read that could race).
+-- Idempotent per op like `_idempotent`, but a call that admitted nothing stores nothing
+-- (a generator polls a closed gate often; repeating such a call acts at most once).
+local done = redis.call('GET', KEYS[3])
+if done then return cjson.decode(done) end
 local cursor = tonumber(redis.call('HGET', KEYS[1], 'cursor') or '0')
 local retired = tonumber(redis.call('HGET', KEYS[1], 'retired') or '0')
-if cursor - retired < tonumber(ARGV[1]) then
+local out = {tonumber(redis.call('HGET', KEYS[1], 'version') or '0')}
+local n = math.min(tonumber(ARGV[4]), tonumber(ARGV[1]) - (cursor - retired))
+if n > 0 then
 """ + _NOW_MS + """
-  redis.call('HSET', KEYS[1], 'cursor', cursor + 1)
-  redis.call('HINCRBY', KEYS[1], 'generating', 1)
-  redis.call('HSET', KEYS[2], cursor, ARGV[2] .. '|' .. (now_ms + tonumber(ARGV[3])))
-  return cursor
+  local lease = ARGV[2] .. '|' .. (now_ms + tonumber(ARGV[3]))
+  for i = 0, n - 1 do
+    redis.call('HSET', KEYS[2], cursor + i, lease)
+    out[#out + 1] = cursor + i
+  end
+  redis.call('HSET', KEYS[1], 'cursor', cursor + n)
+  redis.call('HINCRBY', KEYS[1], 'generating', n)
+  redis.call('SET', KEYS[3], cjson.encode(out), 'EX', """ + str(OP_TTL_S) + """)
 end
-return -1
+return out
 """
 
 # A lease value is "<owner>|<deadline_ms>"; this Lua test is "owned by ARGV[k]".
@@ -239,3 +257,34 @@ if (not cur) or cur == ARGV[1] then
 end
 return cur
 """
+
+
+async def pipelined(client: Any, script: Any, calls: list[tuple[list[str], list[Any]]]
+                    ) -> list[Any]:
+    """``script`` once per ``(keys, args)``, all in one non-transactional pipeline:
+    one round trip for a batch instead of one per call. Each call is still one atomic,
+    idempotent script (its op key), so the batch needs no MULTI, and a batch retried
+    after a lost reply acts once per call. A NOSCRIPT reply (Redis restarted and lost
+    its script cache) loads the script (SCRIPT LOAD) and resends the calls it
+    refused; any other error reply is raised after the whole batch ran."""
+    out: list[Any] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for _attempt in range(3):
+        async with client.pipeline(transaction=False) as pipe:
+            for i in todo:
+                keys, args = calls[i]
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            replies = await pipe.execute(raise_on_error=False)
+        refused = []
+        for i, reply in zip(todo, replies, strict=True):
+            if isinstance(reply, NoScriptError):
+                refused.append(i)
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                out[i] = reply
+        if not refused:
+            return out
+        script.sha = await client.script_load(script.script)
+        todo = refused
+    raise NoScriptError(f"script {script.sha} still unknown after SCRIPT LOAD")

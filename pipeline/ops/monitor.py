@@ -161,18 +161,22 @@ def render_status(snap: dict[str, Any], window: int | None = None) -> Any:
 
 
 def describe(stream: str, msg: Any) -> str:
-    """One line for `sluice tail`: version, rewards, advantages, lengths."""
+    """One line for `sluice tail`: version, lengths; the prompt and texts for `rollouts`,
+    rewards, advantages and the clipped count for `scored` (whose entries carry no text:
+    `sluice tail rollouts` shows it)."""
     if isinstance(msg, ScoredGroup | RolloutGroup):
         g = msg.group if isinstance(msg, ScoredGroup) else msg
         vers = np.concatenate([r.versions for r in g.rollouts]) if g.rollouts else np.zeros(1)
         lens = [len(r.completion_ids) for r in g.rollouts]
         line = (f"{g.group_id:>12}  v{int(vers.min())}-{int(vers.max())}  "
-                f"len {min(lens)}-{max(lens)}  prompt {str(g.prompt.get('text', ''))!r}")
+                f"len {min(lens)}-{max(lens)}")
         if isinstance(msg, ScoredGroup):
-            line += ("  rewards [" + " ".join(f"{x:.2f}" for x in msg.rewards) + "]"
+            line += (f"  clipped {sum(r.clipped for r in msg.group.rollouts)}"
+                     "  rewards [" + " ".join(f"{x:.2f}" for x in msg.rewards) + "]"
                      "  adv [" + " ".join(f"{x:+.2f}" for x in msg.advantages) + "]")
         else:
-            line += "  texts " + " ".join(repr(r.text) for r in g.rollouts[:4])
+            line += (f"  prompt {str(msg.prompt.get('text', ''))!r}  texts "
+                     + " ".join(repr(r.text) for r in msg.rollouts[:4]))
         return line
     if isinstance(msg, WeightsPublished):
         return f"weights v{msg.version} step {msg.step} {msg.format} {msg.nbytes} B {msg.uri}"

@@ -26,7 +26,7 @@ import pytest
 from pipeline.bus.client import Bus
 from pipeline.bus.codec import FIELD, decode_entry, encode
 from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
-from pipeline.bus.schema import ScoredGroup
+from pipeline.bus.schema import SCHEMA_VERSION, ScoredGroup
 from pipeline.config import Config, load_config
 from pipeline.model import VOCAB_SIZE
 from pipeline.ops.embedded import EmbeddedRedis
@@ -54,7 +54,8 @@ def _scored(gid: str, version: int = 0) -> ScoredGroup:
     g = make_group(gid, version=version)
     rewards = np.array([1.0, 0.5, 0.25, 0.0], dtype=np.float32)
     adv = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-4)
-    return ScoredGroup(group=g, rewards=rewards, reward_parts={"copy_reward": rewards},
+    return ScoredGroup(group=g.for_training(),
+                       rewards=rewards, reward_parts={"copy_reward": rewards},
                        advantages=adv.astype(np.float32), scorer="t", t_scored=0.0)
 
 
@@ -120,7 +121,10 @@ def _truncated(stream: str, gid: str) -> dict[bytes, bytes]:
 
 def _oversize(stream: str, gid: str) -> dict[bytes, bytes]:
     m = _valid_map(stream, gid)
-    m["prompt"]["padding"] = "x" * MAX_BYTES  # valid in every way but its size
+    if stream == "rollouts":
+        m["prompt"]["padding"] = "x" * MAX_BYTES  # valid in every way but its size
+    else:  # a scored entry carries no prompt: a long scorer name instead
+        m["scorer"] = "x" * MAX_BYTES
     return {FIELD: msgpack.packb(m, use_bin_type=True)}
 
 
@@ -137,17 +141,15 @@ COMMON: dict[str, Bad] = {
                      admitted=False),
     "no-m-field": Bad(lambda stream, gid: {b"x": encode(make_group(gid))},
                       r"stream entry has no b'm' field", admitted=False),
-    "unknown-schema": Bad(_mutated(_set(("schema",), 2)),
-                          r"unknown schema version 2 \(expected 1\)"),
-    "float-schema": Bad(_mutated(_set(("schema",), 1.0)), r"unknown schema version 1\.0"),
+    "unknown-schema": Bad(_mutated(_set(("schema",), SCHEMA_VERSION + 1)),
+                          rf"unknown schema version {SCHEMA_VERSION + 1} "
+                          rf"\(expected {SCHEMA_VERSION}\)"),
+    "float-schema": Bad(_mutated(_set(("schema",), float(SCHEMA_VERSION))),
+                        rf"unknown schema version {SCHEMA_VERSION}\.0"),
     "unknown-type": Bad(_mutated(_set(("type",), "rolout")), r"unknown message type 'rolout'"),
     "other-message-type": Bad(_other_type, r"expected a \w+ message, got \w+"),
-    "wrong-type-scalar": Bad(_mutated(_set(("pidx",), "3")),
-                             r"group \S+\.pidx: expected int, got str"),
     "wrong-type-array": Bad(_mutated(_set(("ro", 0, "ids"), [5, 6, 1])),
                             r"ro\[0\]\.ids: expected bytes, got list"),
-    "wrong-type-bool": Bad(_mutated(_set(("epoch",), True)), r"epoch: expected .*got bool"),
-    "missing-field": Bad(_mutated(lambda m: m.pop("t_done")), r"missing field 't_done'"),
     "mismatched-lengths": Bad(_mutated(_set(("ro", 1, "lp"), lambda raw: raw[:-4])),
                               r"ro\[1\]: length mismatch ids=\d+ lp=\d+"),
     "ragged-bytes": Bad(_mutated(_set(("ro", 0, "ver"), lambda raw: raw + b"\x00")),
@@ -158,7 +160,6 @@ COMMON: dict[str, Bad] = {
                        r"ro\[2\]\.lp: contains NaN or inf"),
     "positive-logprob": Bad(_mutated(_poison(("ro", 0, "lp"), 0, 0.5, "<f4")),
                             r"ro\[0\]\.lp: a log-probability above 0"),
-    "nan-timestamp": Bad(_mutated(_set(("t_admit",), float("nan"))), r"t_admit: not finite"),
     "token-id-at-vocab": Bad(_mutated(_poison(("ro", 0, "ids"), 0, VOCAB_SIZE, "<i4")),
                              rf"ro\[0\]\.ids: token id outside \[0, {VOCAB_SIZE}\)"),
     "negative-token-id": Bad(_mutated(_poison(("ro", 3, "ids"), 0, -1, "<i4")),
@@ -172,7 +173,26 @@ COMMON: dict[str, Bad] = {
     "oversize": Bad(_oversize, rf"payload of \d+ bytes exceeds {MAX_BYTES}"),
 }
 
+# the group's metadata (prompt index, epoch, generator, times) travels on rollouts only
+ROLLOUT_ONLY: dict[str, Bad] = {
+    "wrong-type-scalar": Bad(_mutated(_set(("pidx",), "3")),
+                             r"group \S+\.pidx: expected int, got str"),
+    "wrong-type-bool": Bad(_mutated(_set(("epoch",), True)), r"epoch: expected .*got bool"),
+    "missing-field": Bad(_mutated(lambda m: m.pop("t_done")), r"missing field 't_done'"),
+    "nan-timestamp": Bad(_mutated(_set(("t_admit",), float("nan"))), r"t_admit: not finite"),
+}
+
 SCORED_ONLY: dict[str, Bad] = {
+    "wrong-type-scalar": Bad(_mutated(_set(("scorer",), 3)),
+                             r"group \S+\.scorer: expected str, got int"),
+    "wrong-type-bool": Bad(_mutated(_set(("t_scored",), True)),
+                           r"t_scored: expected .*got bool"),
+    "missing-field": Bad(_mutated(lambda m: m.pop("clip")), r"missing field 'clip'"),
+    "nan-timestamp": Bad(_mutated(_set(("t_scored",), float("nan"))), r"t_scored: not finite"),
+    "clip-not-a-flag": Bad(_mutated(_set(("clip",), bytes([0, 2, 0, 0]))),
+                           r"\.clip: expected 4 values of 0 or 1"),
+    "clip-length-mismatch": Bad(_mutated(_set(("clip",), bytes(3))),
+                                r"\.clip: expected 4 values of 0 or 1"),
     "nan-reward": Bad(_mutated(_poison(("rew",), 2, np.nan, "<f4")),
                       r"\.rew: contains NaN or inf"),
     "inf-reward": Bad(_mutated(_poison(("rew",), 0, np.inf, "<f4")),
@@ -189,7 +209,7 @@ SCORED_ONLY: dict[str, Bad] = {
                                  r"\.parts: expected str -> bytes"),
 }
 
-ROLLOUT_CASES = COMMON
+ROLLOUT_CASES = {**COMMON, **ROLLOUT_ONLY}
 SCORED_CASES = {**COMMON, **SCORED_ONLY}
 
 

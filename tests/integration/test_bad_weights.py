@@ -27,7 +27,7 @@ from safetensors.torch import save
 from pipeline.bus import control
 from pipeline.bus.client import Bus
 from pipeline.bus.codec import encode
-from pipeline.bus.schema import WeightsPublished
+from pipeline.bus.schema import SCHEMA_VERSION, WeightsPublished
 from pipeline.config import Config, load_config
 from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.transports import INDEX, FileTransport
@@ -149,7 +149,7 @@ def test_generator_watching_control_skips_corrupt_entries_and_applies_good_ones(
         b"\xc1 not msgpack",
         msgpack.packb({**msgpack.unpackb(encode(v1)), "version": 12, "sha256": "xyz"}),
         msgpack.packb({**msgpack.unpackb(encode(v1)), "version": -1}),
-        msgpack.packb({**msgpack.unpackb(encode(v1)), "version": 12, "schema": 2}),
+        msgpack.packb({**msgpack.unpackb(encode(v1)), "version": 12, "schema": SCHEMA_VERSION + 1}),
         msgpack.packb({**msgpack.unpackb(encode(v1)), "version": "12"}),
     ]
 
@@ -174,9 +174,10 @@ def test_generator_watching_control_skips_corrupt_entries_and_applies_good_ones(
             assert gen.engine.version == 12
             assert _same(_serving(gen), _publisher(gen).load(v12))
             assert gen.rejected_weights == len(bad)
-            # a generator that (re)starts now catches up to the same version
+            # a generator that (re)starts now catches up to the same version, announced
+            # to it by the admission reply
             late = Generator(gen.cfg, "g1")
-            await late.catch_up(bus)
+            await late.catch_up(bus, (await bus.admit_many(64, late.wid, 1000, 0)).version)
             assert late.engine.version == 12 and late.rejected_weights == 0
         finally:
             await bus.close()

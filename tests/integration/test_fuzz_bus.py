@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from pipeline.bus.client import Bus
 from pipeline.bus.codec import FIELD, DecodeError, decode_entry, encode, peek_group_id
 from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
-from pipeline.bus.schema import Rollout, RolloutGroup, ScoredGroup
+from pipeline.bus.schema import SCHEMA_VERSION, Rollout, RolloutGroup, ScoredGroup
 from pipeline.config import Config, load_config
 from pipeline.model import VOCAB_SIZE
 from pipeline.ops.embedded import EmbeddedRedis
@@ -109,7 +109,7 @@ def _scored(rng: random.Random, gid: str) -> ScoredGroup:
     rewards = np.array([rng.uniform(-2, 2) for _ in range(n)], dtype=np.float32)
     part = rewards.copy()
     part[rng.randrange(n)] = np.nan if rng.random() < 0.3 else part[0]  # NaN = None
-    return ScoredGroup(group=g, rewards=rewards, reward_parts={"copy_reward": part},
+    return ScoredGroup(group=g.for_training(), rewards=rewards, reward_parts={"copy_reward": part},
                        advantages=(rewards - rewards.mean()).astype(np.float32),
                        scorer="fuzz", t_scored=time.time())
 
@@ -195,7 +195,8 @@ def _poison(rng: random.Random, m: dict[str, Any]) -> None:
         raw = value_at(m, path)
         value_at(m, path[:-1])[path[-1]] = rng.choice((raw[:-4], raw + b"\0" * 4, b""))
     elif choice == 2:
-        m["schema"] = rng.choice((0, 2, 1.0, "1", True, None))
+        m["schema"] = rng.choice((0, SCHEMA_VERSION + 1, float(SCHEMA_VERSION),
+                                  str(SCHEMA_VERSION), True, None))
     elif choice == 3:
         m["type"] = rng.choice(("rollout", "scored", "weights", "finished", "x"))
     elif choice == 4:

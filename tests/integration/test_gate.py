@@ -77,3 +77,52 @@ def test_retire_rejects_unknown_reason(redis_server: EmbeddedRedis, run_name: st
         await bus.close()
 
     arun(go())
+
+
+def test_batched_admission_fills_the_window_once_with_the_version(
+        redis_server: EmbeddedRedis, run_name: str) -> None:
+    """One ADMIT call takes up to N cursors, no more than the window allows, each leased
+    to its caller; the reply carries ``state.version``; a retry with the same op (after a
+    lost reply) returns the same cursors without admitting more."""
+    async def go() -> None:
+        bus = Bus.connect(redis_server.url, run_name)
+        try:
+            first = await bus.admit_many(5, "gen/a", 60_000, 3, op="adm1")
+            assert first.cursors == [0, 1, 2] and first.version == 0
+            assert await bus.admit_many(5, "gen/a", 60_000, 3, op="adm1") == first  # retried
+            await bus.set_version(4)
+            second = await bus.admit_many(5, "gen/b", 60_000, 3)  # only 2 fit the window
+            assert second.cursors == [3, 4] and second.version == 4
+            closed = await bus.admit_many(5, "gen/b", 60_000, 3)
+            assert closed.cursors == [] and closed.version == 4
+            assert (await bus.admit_many(5, "gen/b", 60_000, 0)).cursors == []  # version only
+            leases = {int(k): v.decode().split("|")[0]
+                      for k, v in (await bus.r.hgetall(bus.keys.leases)).items()}
+            assert leases == {0: "gen/a", 1: "gen/a", 2: "gen/a", 3: "gen/b", 4: "gen/b"}
+            st = await bus.state()
+            assert st["cursor"] == 5 and st["generating"] == 5
+        finally:
+            await bus.close()
+
+    arun(go())
+
+
+def test_batched_admission_never_exceeds_the_window_under_concurrent_generators(
+        redis_server: EmbeddedRedis, run_name: str) -> None:
+    window = 13
+
+    async def generator(admitted: list[int]) -> None:
+        bus = Bus.connect(redis_server.url, run_name)
+        try:
+            for _ in range(20):
+                admitted += (await bus.admit_many(window, "g", 60_000, 4)).cursors
+                await asyncio.sleep(0)
+        finally:
+            await bus.close()
+
+    async def go() -> list[int]:
+        admitted: list[int] = []
+        await asyncio.gather(*(generator(admitted) for _ in range(6)))
+        return admitted
+
+    assert sorted(arun(go())) == list(range(window))

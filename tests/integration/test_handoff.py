@@ -43,6 +43,34 @@ def test_conditional_handoff_emits_once_when_two_consumers_race(
     arun(go())
 
 
+def test_pipelined_handoffs_emit_once_each_and_skip_entries_no_longer_pending(
+        redis_server: EmbeddedRedis, run_name: str) -> None:
+    """`handoff_many` (a scorer's hand-offs of one read in one pipeline): each entry is
+    handed on only if its ack removed a pending entry, once, even when the batch is
+    retried or a racing consumer already handed one on."""
+    async def go() -> None:
+        bus = Bus.connect(redis_server.url, run_name)
+        k = bus.keys
+        try:
+            await bus.ensure_group(k.rollouts, SCORERS_GROUP)
+            eids = [await bus.xadd(k.rollouts, b"g%d" % i) for i in range(3)]
+            await bus.read_group(k.rollouts, SCORERS_GROUP, "a", count=3, block_ms=10)
+            # another consumer already handed on the second entry (a reclaim race)
+            assert await bus.handoff(k.rollouts, SCORERS_GROUP, eids[1], k.scored, b"s1",
+                                     op="b:1")
+            batch = [(e, b"s%d" % i, f"a:{i}") for i, e in enumerate(eids)]
+            got = await bus.handoff_many(k.rollouts, SCORERS_GROUP, k.scored, batch)
+            assert got[0] and got[1] is None and got[2]
+            assert await bus.handoff_many(k.rollouts, SCORERS_GROUP, k.scored, batch) == got
+            rows = [f[b"m"] for _i, f in await bus.r.xrange(k.scored)]
+            assert sorted(rows) == [b"s0", b"s1", b"s2"]
+            assert (await bus.r.xpending(k.rollouts, SCORERS_GROUP))["pending"] == 0
+        finally:
+            await bus.close()
+
+    arun(go())
+
+
 def test_scorer_killed_between_read_and_ack_group_is_reclaimed_and_emitted_once(
         redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "run.toml", run_header(

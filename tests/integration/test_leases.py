@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from pipeline.bus.client import Bus
+from pipeline.bus.keys import SCORERS_GROUP
 from pipeline.config import load_config
 from pipeline.ops.embedded import EmbeddedRedis
 from tests.conftest import arun
@@ -103,21 +104,21 @@ def test_the_takeover_scan_runs_on_a_timer_not_on_every_poll(
     async def go() -> tuple[list[int], list[int], Counter[str], float]:
         bus = Bus.connect(cfg.redis_url, run_name)
         calls: Counter[str] = Counter()
-        real_takeover, real_admit = bus.takeover, bus.admit
+        real_takeover, real_admit, real_many = bus.takeover, bus.admit, bus.admit_many
 
         async def takeover(*a: Any, **kw: Any) -> list[int]:
             calls["takeover"] += 1
             return await real_takeover(*a, **kw)
 
-        async def admit(*a: Any, **kw: Any) -> int | None:
+        async def admit_many(*a: Any, **kw: Any) -> Any:  # one call polls the gate once
             calls["admit"] += 1
-            return await real_admit(*a, **kw)
+            return await real_many(*a, **kw)
 
-        bus.takeover, bus.admit = takeover, admit  # type: ignore[method-assign]
+        bus.takeover, bus.admit_many = takeover, admit_many  # type: ignore[method-assign]
         try:  # a dead generator fills the window: the gate stays closed for 2 s
             dead = [await real_admit(2, "generator/dead", 2000) for _ in range(2)]
             t0 = time.monotonic()
-            got = await asyncio.wait_for(gen.admit_batch(bus, asyncio.Event()), 30)
+            got, _version = await asyncio.wait_for(gen.admit_batch(bus, asyncio.Event()), 30)
             return dead, got, calls, time.monotonic() - t0
         finally:
             await bus.close()
@@ -129,3 +130,51 @@ def test_the_takeover_scan_runs_on_a_timer_not_on_every_poll(
     # scan on every poll made as many scans as polls, one more counting the last)
     assert calls["takeover"] <= elapsed_s / gen.takeover_every_s + 2, (calls, elapsed_s)
     assert calls["admit"] > calls["takeover"], (calls, elapsed_s)
+
+
+def test_pipelined_emits_act_once_each_and_only_for_the_lease_holder(
+        redis_server: EmbeddedRedis, run_name: str) -> None:
+    """`emit_many` sends a batch of EMIT scripts in one pipeline: each appends only with
+    its lease, a retried batch appends nothing twice, and a Redis that lost its script
+    cache (SCRIPT FLUSH, as after a restart) gets the script loaded again."""
+    async def go() -> None:
+        bus = Bus.connect(redis_server.url, run_name)
+        try:
+            cursors = (await bus.admit_many(8, "gen/a", 60_000, 3)).cursors
+            other = await bus.admit(8, "gen/b")
+            batch = [(c, b"g%d" % c, f"emit:{c}:gen/a") for c in [*cursors, other]]
+            await bus.r.script_flush()
+            ids = await bus.emit_many(batch, "gen/a")
+            assert all(ids[:3]) and ids[3] is None  # gen/b's cursor: not ours
+            assert await bus.emit_many(batch, "gen/a") == ids  # retried: same answers
+            rows = await bus.r.xrange(bus.keys.rollouts)
+            assert [f[b"m"] for _i, f in rows] == [b"g0", b"g1", b"g2"]
+            st = await bus.state()
+            assert st["generating"] == 1 and await bus.r.hlen(bus.keys.leases) == 1
+            assert await bus.emit_many([], "gen/a") == []
+        finally:
+            await bus.close()
+
+    arun(go())
+
+
+def test_consumer_leaves_the_group_only_with_nothing_pending(redis_server: EmbeddedRedis,
+                                                            run_name: str) -> None:
+    async def go() -> None:
+        bus = Bus.connect(redis_server.url, run_name)
+        k = bus.keys
+        await bus.ensure_group(k.rollouts, SCORERS_GROUP)
+        await bus.xadd(k.rollouts, b"x")
+        (e,) = await bus.read_group(k.rollouts, SCORERS_GROUP, "busy", count=1, block_ms=10)
+        await bus.read_group(k.rollouts, SCORERS_GROUP, "idle", count=1, block_ms=10)
+        assert await bus.retire_consumer(k.rollouts, SCORERS_GROUP, "busy") is False
+        assert await bus.retire_consumer(k.rollouts, SCORERS_GROUP, "idle") is True
+        names = {c["name"] for c in await bus.r.xinfo_consumers(k.rollouts, SCORERS_GROUP)}
+        assert names == {b"busy"}
+        await asyncio.sleep(0.05)
+        assert await bus.prune_consumers(k.rollouts, SCORERS_GROUP, idle_ms=10) == 0  # pending
+        await bus.ack(k.rollouts, SCORERS_GROUP, e.id)
+        assert await bus.prune_consumers(k.rollouts, SCORERS_GROUP, idle_ms=10) == 1
+        await bus.close()
+
+    arun(go())

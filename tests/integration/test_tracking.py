@@ -63,7 +63,8 @@ def test_trainer_and_evaluator_log_trl_names_on_the_trainer_step_to_trackio(
             rewards = np.array([1.0, 0.5, 0.25, 0.0], dtype=np.float32)
             adv = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-4)
             await bus.xadd(bus.keys.scored, encode(ScoredGroup(
-                group=make_group(f"0:{i}"), rewards=rewards, reward_parts={"copy": rewards},
+                group=make_group(f"0:{i}").for_training(),
+                rewards=rewards, reward_parts={"copy": rewards},
                 advantages=adv.astype(np.float32), scorer="t", t_scored=0.0)))
         await bus.close()
 

@@ -36,7 +36,8 @@ def _scored(gid: str, version: int) -> bytes:
     g = make_group(gid, version=version)
     rewards = np.array([1.0, 0.5, 0.25, 0.0], dtype=np.float32)
     adv = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-4)
-    return encode(ScoredGroup(group=g, rewards=rewards, reward_parts={"copy": rewards},
+    return encode(ScoredGroup(group=g.for_training(),
+                              rewards=rewards, reward_parts={"copy": rewards},
                               advantages=adv.astype(np.float32), scorer="t", t_scored=0.0))
 
 

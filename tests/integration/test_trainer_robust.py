@@ -51,7 +51,7 @@ def _scored(gid: str, poisoned: bool = False, version: int = 0) -> ScoredGroup:
         g.prompt_ids = np.append(g.prompt_ids, np.int32(POISON))
     rewards = np.array([1.0, 0.5, 0.25, 0.0], dtype=np.float32)
     adv = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-4)
-    return ScoredGroup(group=g, rewards=rewards, reward_parts={"copy": rewards},
+    return ScoredGroup(group=g.for_training(), rewards=rewards, reward_parts={"copy": rewards},
                        advantages=adv.astype(np.float32), scorer="t", t_scored=0.0)
 
 

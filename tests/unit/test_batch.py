@@ -55,7 +55,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, li
         g = RolloutGroup(group_id=f"0:{p_idx}", prompt_index=p_idx, epoch=0, prompt={},
                          prompt_ids=np.asarray(prompt, dtype=np.int32), generator="g",
                          t_admit=0.0, t_done=0.0, rollouts=rollouts)
-        sg = ScoredGroup(group=g, rewards=np.zeros(N, np.float32), reward_parts={},
+        sg = ScoredGroup(group=g.for_training(), rewards=np.zeros(N, np.float32), reward_parts={},
                          advantages=np.arange(N, dtype=np.float32) + 10 * p_idx, scorer="s",
                          t_scored=0.0)
         # through the wire, as the trainer receives it

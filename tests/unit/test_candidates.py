@@ -102,7 +102,8 @@ def _scored(i: int, prompt: list[int], rollouts: list[Rollout]) -> ScoredGroup:
     g = RolloutGroup(f"0:{i}", i, 0, {"text": "x"}, np.array(prompt, np.int32), "g", 0.0, 0.0,
                      rollouts)
     n = len(rollouts)
-    return ScoredGroup(g, np.zeros(n, np.float32), {}, np.linspace(-1, 1, n, dtype=np.float32),
+    return ScoredGroup(g.for_training(),
+                       np.zeros(n, np.float32), {}, np.linspace(-1, 1, n, dtype=np.float32),
                        "s", 0.0)
 
 
@@ -117,7 +118,7 @@ def test_codec_rejects_inconsistent_sets(counts: list[int], cand: list[int],
                                          match: str) -> None:
     ids = [4, 5] if len(counts) != 3 else [4, 5, 6]
     sg = _scored(0, [3], [_rollout(ids, None, None), _rollout(ids, None, None)])
-    sg.group.rollouts[0] = _rollout(ids, [0] * len(ids), [])  # encodes the keys
+    sg.group.rollouts[0] = _rollout(ids, [0] * len(ids), []).for_training()  # encodes the keys
     data = encode(sg)
     body = msgpack.unpackb(data, raw=False)
     body["ro"][0]["cand"] = np.array(cand, np.int32).tobytes()

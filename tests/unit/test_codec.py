@@ -69,7 +69,7 @@ def make_group() -> RolloutGroup:
 
 def make_scored() -> ScoredGroup:
     return ScoredGroup(
-        group=make_group(),
+        group=make_group().for_training(),
         rewards=np.asarray([1.0, -0.5, 0.0], dtype=np.float32),
         reward_parts={
             "copy_reward": np.asarray([1.0, -0.5, 0.0], dtype=np.float32),
@@ -230,6 +230,40 @@ def test_decode_of_encode_equals_original_field_by_field(kind: str) -> None:
     assert_same(out, msg)
 
 
+def test_scored_carries_only_what_the_trainer_reads() -> None:
+    """No prompt dict, texts, finish-reason strings or generator metadata on ``scored``
+    (DESIGN §3); clipping travels as a flag per completion, candidate sets stay."""
+    g = make_group()
+    g.rollouts[0].candidate_ids = np.asarray([10, 11, 12], dtype=np.int32)
+    g.rollouts[0].candidate_counts = np.asarray([1, 2, 0, 0], dtype=np.int32)
+    sg = dataclasses.replace(make_scored(), group=g.for_training())
+    d = raw(sg)
+    assert set(d) == {"schema", "type", "gid", "pids", "ro", "clip", "rew", "parts", "adv",
+                      "scorer", "t_scored"}
+    assert [set(r) for r in d["ro"]] == [{"ids", "lp", "ver", "mask", "cand", "ncand"},
+                                         {"ids", "lp", "ver", "mask"},
+                                         {"ids", "lp", "ver", "mask"}]
+    assert d["clip"] == bytes(r.finish_reason == "length" for r in g.rollouts)
+    out = decode(encode(sg), Limits(vocab_size=VOCAB))
+    assert isinstance(out, ScoredGroup)
+    assert_same(out.group, g.for_training())
+    assert [r.clipped for r in out.group.rollouts] == [False, True, True]
+    assert len(encode(sg)) < len(encode(g))
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    (bytes([1, 0]), r"clip: expected 3 values of 0 or 1"),
+    (bytes([1, 2, 0]), r"clip: expected 3 values of 0 or 1"),
+    ([1, 0, 1], r"clip: expected bytes, got list"),
+])
+def test_scored_clip_flags_are_validated(value: Any, match: str) -> None:
+    reject("scored", put("clip", value=value), match)
+
+
+def test_scored_without_clip_flags_is_rejected() -> None:
+    reject("scored", drop("clip"), "missing field 'clip'")
+
+
 def test_round_trip_arrays_are_native_writable_copies_with_fixed_dtypes() -> None:
     sg = decode(encode(make_scored()))
     assert isinstance(sg, ScoredGroup)
@@ -314,7 +348,8 @@ def test_map_with_integer_keys_is_rejected() -> None:
                                     float(SCHEMA_VERSION)],
                          ids=["next", "zero", "str", "true", "nil", "float"])
 def test_unknown_schema_version_is_rejected(kind: str, schema: Any) -> None:
-    reject(kind, put("schema", value=schema), r"unknown schema version .* \(expected 1\)")
+    reject(kind, put("schema", value=schema),
+           rf"unknown schema version .* \(expected {SCHEMA_VERSION}\)")
 
 
 @pytest.mark.parametrize("kind", list(MAKERS))

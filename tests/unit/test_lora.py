@@ -69,7 +69,8 @@ def _groups() -> list[ScoredGroup]:
         g = make_group(f"0:{i}", answer=("123", "45")[i], texts=("123", "12", "45", "9"))
         rewards = np.array([1.0, 0.5, 0.25, 0.0], dtype=np.float32)
         adv = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-4)
-        out.append(ScoredGroup(group=g, rewards=rewards, reward_parts={"copy": rewards},
+        out.append(ScoredGroup(group=g.for_training(),
+                               rewards=rewards, reward_parts={"copy": rewards},
                                advantages=adv.astype(np.float32), scorer="t", t_scored=0.0))
     return out
 

@@ -86,10 +86,11 @@ def test_rollout_stats_follow_trl_definitions() -> None:
     short = make_group("0:1", texts=("1", "12", "123", "9"))  # lengths with EOS: 2 3 4 2
     short.rollouts[2].finish_reason = "length"
     flat = make_group("0:2", texts=("12", "12", "12", "12"))
-    groups = [ScoredGroup(group=short, rewards=np.array([1, 0, 0, 0], np.float32),
+    groups = [ScoredGroup(group=short.for_training(), rewards=np.array([1, 0, 0, 0], np.float32),
                           reward_parts={}, advantages=np.zeros(4, np.float32), scorer="t",
                           t_scored=0.0),
-              ScoredGroup(group=flat, rewards=np.full(4, 0.5, np.float32), reward_parts={},
+              ScoredGroup(group=flat.for_training(),
+                          rewards=np.full(4, 0.5, np.float32), reward_parts={},
                           advantages=np.zeros(4, np.float32), scorer="t", t_scored=0.0)]
     s = rollout_stats(groups)
     assert s["completions/mean_length"] == (2 + 3 + 4 + 2 + 3 * 4) / 8

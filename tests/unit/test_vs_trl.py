@@ -95,7 +95,8 @@ def _batch(model_dir: Path, sampler: list[list[float]], advantages: np.ndarray) 
                           prompt_ids=np.array(prompt, np.int32), generator="test",
                           t_admit=0.0, t_done=0.0, rollouts=rollouts)
         adv = advantages[g * G:(g + 1) * G].astype(np.float32)
-        groups.append(ScoredGroup(group=rg, rewards=np.zeros(G, np.float32), reward_parts={},
+        groups.append(ScoredGroup(group=rg.for_training(),
+                                  rewards=np.zeros(G, np.float32), reward_parts={},
                                   advantages=adv, scorer="test", t_scored=0.0))
     return build_batch(groups, pad_id=0)
 

@@ -1,5 +1,6 @@
 """docs/wire-format.md is the codec's contract: a fresh interpreter that imports only
-msgpack and numpy decodes every field of a real `scored` entry from the doc's table."""
+msgpack and numpy decodes every field of a real `scored` entry from the doc's table, and
+the entry carries exactly the keys the table marks as on `scored` (``S``)."""
 
 from __future__ import annotations
 
@@ -39,21 +40,28 @@ print(json.dumps(out))
 """
 
 
-def doc_table() -> dict[str, str]:
-    """key -> dtype of every row of docs/wire-format.md's table."""
+def doc_rows() -> dict[str, tuple[str, str]]:
+    """key -> (dtype, on) of every row of docs/wire-format.md's table."""
     rows = {}
     for line in (ROOT / "docs" / "wire-format.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and cells[0].startswith("`"):
-            rows[cells[0].strip("`")] = cells[2].strip("`")
+        if len(cells) == 5 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = (cells[2].strip("`"), cells[3])
     return rows
+
+
+def doc_table(on: str = "S") -> dict[str, str]:
+    """key -> dtype of the rows whose "on" column names ``on`` (or ``all``)."""
+    return {k: dt for k, (dt, where) in doc_rows().items()
+            if on in where.split() or where == "all"}
 
 
 def test_a_scored_entry_decodes_with_msgpack_and_numpy_alone(tmp_path: Path) -> None:
     g = make_group(texts=("123", "12"))
+    g.rollouts[1].finish_reason = "length"
     g.rollouts[0].candidate_ids = np.array([5, 6, 7, 1], dtype=np.int32)
     g.rollouts[0].candidate_counts = np.array([1, 1, 1, 1], dtype=np.int32)
-    sg = ScoredGroup(group=g, rewards=np.array([1.0, 0.5], np.float32),
+    sg = ScoredGroup(group=g.for_training(), rewards=np.array([1.0, 0.5], np.float32),
                      reward_parts={"copy_reward": np.array([1.0, 0.5], np.float32),
                                    "judge": np.array([np.nan, 0.25], np.float32)},
                      advantages=np.array([0.7, -0.7], np.float32), scorer="scorer/s",
@@ -63,12 +71,17 @@ def test_a_scored_entry_decodes_with_msgpack_and_numpy_alone(tmp_path: Path) -> 
                         str(tmp_path / "m.bin")], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     m = json.loads(p.stdout.replace("NaN", "null"))
-    assert m["type"] == "scored" and m["schema"] == 1 and m["gid"] == g.group_id
-    assert m["pids"] == g.prompt_ids.tolist() and m["prompt"] == g.prompt
+    assert m["type"] == "scored" and m["schema"] == 2 and m["gid"] == g.group_id
+    assert m["pids"] == g.prompt_ids.tolist()
     for got, r in zip(m["ro"], g.rollouts, strict=True):
         assert got["ids"] == r.completion_ids.tolist() and got["mask"] == r.mask.tolist()
-        assert got["ver"] == r.versions.tolist() and got["fin"] == r.finish_reason
-        assert np.allclose(got["lp"], r.logprobs) and got["text"] == r.text
+        assert got["ver"] == r.versions.tolist() and np.allclose(got["lp"], r.logprobs)
+    assert m["clip"] == [int(r.finish_reason == "length") for r in g.rollouts]
+    # exactly the table's S keys: nothing the trainer does not read (no prompt, no text)
+    on_scored = doc_table("S")
+    assert set(m) == {k for k in on_scored if "." not in k}
+    assert {f"ro[].{k}" for r in m["ro"] for k in r} == {k for k in on_scored
+                                                         if k.startswith("ro[].")}
     assert m["ro"][0]["cand"] == [5, 6, 7, 1] and m["ro"][0]["ncand"] == [1, 1, 1, 1]
     assert np.allclose(m["rew"], [1.0, 0.5]) and np.allclose(m["adv"], [0.7, -0.7])
     assert m["parts"]["copy_reward"] == [1.0, 0.5] and m["parts"]["judge"][0] is None

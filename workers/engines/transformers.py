@@ -247,6 +247,10 @@ class TransformersEngine:
         rows = [list(p) for p in prompts for _ in range(n)]
         if params.max_new_tokens == 0:
             return self._pack(prompts, n, [], [], [], [], torch.zeros(len(rows), dtype=torch.bool))
+        # a batch starts on the newest queued weights (the generator applies the version
+        # announced at admission before decoding): any other decode is paused at a step
+        # boundary now, its only await, so this is a swap point for it too
+        self._apply_pending()
         self._active += 1
         try:
             return await self._decode(prompts, n, rows, params)
