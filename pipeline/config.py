@@ -68,8 +68,14 @@ class BusConfig(_Section):
     from the environment (docs/security.md). Never put a password in redis_url."""
     cluster: bool = False
     """redis_url names one node of a Redis Cluster: the client discovers the others and
-    routes each key to its master (redis-py's RedisCluster). Every key of a run shares
+    routes each key to its master (redis-py's RedisCluster). Every key of a lane shares
     one hash tag, so each Lua script and MULTI touches one slot (DESIGN §2)."""
+    partitions: int = Field(1, ge=1, le=64)
+    """Lanes of the bus: rollouts, scored, dlq, admission counters and leases split into
+    this many self-contained partitions, each under its own hash tag, so a Redis Cluster
+    spreads them over its masters (set it to the number of masters). Fixed for the life
+    of a run: a resumed run with another value is refused. Each lane gets an equal share
+    of the admission window, so it must not exceed trainer.window."""
     tls_ca_file: str = ""
     """rediss:// only: PEM CA bundle the server's certificate must chain to (empty = the
     system's CAs); the hostname is always checked."""
@@ -548,6 +554,11 @@ class Config(_Section):
                 self.generation.engine == "vllm" and v.launch > 0):
             raise ValueError("eval.vllm_urls: the evaluator's vllm engine needs servers of its "
                              "own (or generation.vllm.launch > 0 for `sluice up` to start one)")
+        if self.bus.partitions > self.trainer.window:
+            raise ValueError(f"bus.partitions: {self.bus.partitions} lanes cannot share an "
+                             f"admission window of {self.trainer.window} groups (each lane "
+                             "needs one); lower bus.partitions or raise "
+                             "trainer.admission_window")
         target = parse_target(self.up.stop_at)
         if target is not None:
             e = self.eval

@@ -18,10 +18,20 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pipeline.bus.client import Bus, check_cluster
+from redis.exceptions import NoPermissionError
+
+from pipeline.bus.client import TRANSIENT, Bus
+from pipeline.bus.connection import (
+    ClusterModeError,
+    PartitionsError,
+    check_cluster,
+    check_partitions,
+    sync_client,
+)
+from pipeline.bus.keys import Keys
 from pipeline.bus.schema import Limits
 from pipeline.bus.security import TLSFiles, client_options
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.metrics import RoleMetrics
 
 log = logging.getLogger("sluice")
@@ -74,20 +84,38 @@ def tls_files(cfg: Config) -> TLSFiles:
     return TLSFiles(cfg.bus.tls_ca_file, cfg.bus.tls_cert_file, cfg.bus.tls_key_file)
 
 
-_cluster_checked: set[str] = set()
+_checked: set[tuple[str, str, int]] = set()
 
 
 def connect(cfg: Config, role: str | None = None) -> Bus:
     """The run's bus, logged in as ``role`` (default: this process's role, `run_role`):
     each role gets its own ACL user when credentials are configured (docs/security.md).
-    With `bus.cluster` the cluster is checked once per process (every slot served), so a
-    broken cluster is an error at start, not a role retrying ``CLUSTERDOWN``."""
-    if cfg.bus.cluster and cfg.redis_url not in _cluster_checked:
-        check_cluster(cfg.redis_url, **redis_options(cfg, role))
-        _cluster_checked.add(cfg.redis_url)
+    Checked once per process, so a mistake is an error at start rather than a role
+    retrying forever: with `bus.cluster` that every slot is served; and that
+    `bus.partitions` is the run's (`check_partitions`; the trainer records it)."""
+    role = role or _process_role
+    if (cfg.redis_url, cfg.run.name, cfg.bus.partitions) not in _checked:
+        opts = redis_options(cfg, role)
+        try:
+            if cfg.bus.cluster:
+                check_cluster(cfg.redis_url, **opts)
+            client = sync_client(cfg.redis_url, cluster=cfg.bus.cluster, **opts)
+            try:
+                check_partitions(client, Keys(cfg.run.name).state, cfg.bus.partitions,
+                                 record=role == "trainer")
+            finally:
+                client.close()
+            _checked.add((cfg.redis_url, cfg.run.name, cfg.bus.partitions))
+        except TRANSIENT:
+            pass  # Redis not up yet: the role's own retries wait for it; checked next call
+        except NoPermissionError:
+            pass  # a role whose ACL user may not read state (the evaluator) uses no lane
+        except (ClusterModeError, PartitionsError) as e:
+            raise ConfigError(str(e)) from e
     return Bus.connect(cfg.redis_url, cfg.run.name, reconnect_max_s=cfg.bus.reconnect_max_s,
-                       role=role or _process_role, credentials_file=cfg.bus.credentials_file,
-                       tls=tls_files(cfg), cluster=cfg.bus.cluster)
+                       role=role, credentials_file=cfg.bus.credentials_file,
+                       tls=tls_files(cfg), cluster=cfg.bus.cluster,
+                       partitions=cfg.bus.partitions)
 
 
 def redis_options(cfg: Config, role: str | None = None) -> dict[str, Any]:

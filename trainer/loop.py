@@ -262,8 +262,9 @@ class Trainer:
         try:
             await lock.acquire(stop)
             await self.start_nccl()
-            await bus.retrying(lambda: bus.ensure_group(bus.keys.scored, TRAINERS_GROUP),
-                               "group")
+            for k in bus.lanes.keys:
+                await bus.retrying(lambda k=k: bus.ensure_group(k.scored, TRAINERS_GROUP),
+                                   "group")
             Path(self.cfg.output_path).mkdir(parents=True, exist_ok=True)
             await self.resume(bus)
             self.tracker = await asyncio.to_thread(open_tracker, self.cfg, "trainer",

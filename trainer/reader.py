@@ -48,8 +48,8 @@ class Reader:
         seen = {sg.group.group_id for _, sg in buf}
         deadline = time.monotonic() + wait_s
         while len(buf) < want and not stop.is_set() and time.monotonic() < deadline:
-            entries = await bus.retrying(lambda: bus.read_group(
-                bus.keys.scored, TRAINERS_GROUP, t.consumer, count=want - len(buf),
+            entries = await bus.retrying(lambda: bus.read_lanes(
+                "scored", TRAINERS_GROUP, t.consumer, count=want - len(buf),
                 block_ms=t.cfg.bus.block_ms), "read scored", stop)
             for e in entries:
                 sg = await self.accept(bus, e, seen)
@@ -62,8 +62,9 @@ class Reader:
         """The entry's group if it is to be trained; otherwise settle it here (dead-letter,
         stale, duplicate, deleted), retrying through Redis outages."""
         t = self.t
+        e.stream = e.stream or bus.keys.scored  # built by hand (tests): lane 0's
         if e.fields is None:
-            await bus.retrying(lambda: bus.ack(bus.keys.scored, TRAINERS_GROUP, e.id), "ack")
+            await bus.retrying(lambda: bus.ack(e.stream, TRAINERS_GROUP, e.id), "ack")
             return None
         if e.deliveries > t.cfg.bus.max_deliveries:
             await self.dead_letter(bus, e, peek_group_id(e.fields),
@@ -80,7 +81,7 @@ class Reader:
         gid = sg.group.group_id
         if gid in t.trained or gid in seen:
             t.counts["duplicates"] += 1
-            if await bus.retrying(lambda: bus.ack(bus.keys.scored, TRAINERS_GROUP, e.id), "ack"):
+            if await bus.retrying(lambda: bus.ack(e.stream, TRAINERS_GROUP, e.id), "ack"):
                 t.ledger.write("duplicate", gid, id=e.id)
             return None
         if t.is_stale(sg):
@@ -90,7 +91,7 @@ class Reader:
                           "min_version": sg.group.min_version,
                           "max_staleness": t.tc.max_staleness}],
                     lambda: bus.retrying(lambda: bus.retire(
-                        bus.keys.scored, TRAINERS_GROUP, [e.id], "stale", op=op), "retire")):
+                        e.stream, TRAINERS_GROUP, [e.id], "stale", op=op), "retire")):
                 t.counts["stale"] += 1
             return None
         return sg
@@ -102,7 +103,7 @@ class Reader:
                 op, [{"ev": "dead", "gid": gid, "retired": gid is not None, "id": e.id,
                       "reason": reason[:200]}],
                 lambda: bus.retrying(lambda: bus.dead_letter(
-                    bus.keys.scored, TRAINERS_GROUP, e, reason=reason, role=t.wid,
+                    e.stream or bus.keys.scored, TRAINERS_GROUP, e, reason=reason, role=t.wid,
                     retire=gid is not None, op=op), "dead-letter")):
             t.counts["dead"] += 1
 
@@ -115,17 +116,26 @@ class Reader:
                     "version": trained_at, "min_version": sg.group.min_version,
                     "max_staleness": t.tc.max_staleness, "n": len(sg.rewards)}
                    for e, sg in buf]
-        retired = await t.ledger.settle(op, planned, lambda: bus.retrying(
-            lambda: bus.retire(bus.keys.scored, TRAINERS_GROUP, [e.id for e, _ in buf],
-                               "trained", op=op), "retire"))
+        by_lane: dict[str, list[str]] = {}  # a step may hold groups of every lane
+        for e, _ in buf:
+            by_lane.setdefault(e.stream or bus.keys.scored, []).append(e.id)
+
+        async def retire() -> list[str]:  # one script per lane, each idempotent under `op`
+            done: list[str] = []
+            for stream, ids in by_lane.items():
+                done += await bus.retire(stream, TRAINERS_GROUP, ids, "trained", op=op)
+            return done
+
+        retired = await t.ledger.settle(op, planned, lambda: bus.retrying(retire, "retire"))
         for _, sg in buf:
             t.trained[sg.group.group_id] = None
         while len(t.trained) > t.trained_ids_kept:
             t.trained.popitem(last=False)
         t.counts["trained_groups"] += len(retired)
         if step % TRIM_EVERY_STEPS == 0:  # janitor of `scored`
-            await bus.retrying(lambda: bus.trim_acked(
-                bus.keys.scored, keep_ms=int(t.cfg.bus.keep_acked_s * 1000)), "trim")
+            for k in bus.lanes.keys:
+                await bus.retrying(lambda k=k: bus.trim_acked(
+                    k.scored, keep_ms=int(t.cfg.bus.keep_acked_s * 1000)), "trim")
 
     async def skip_step(self, bus: Bus, buf: list[Buffered], metrics: dict[str, Any]) -> None:
         """A non-finite loss or gradient: the step was not taken; its groups go to dlq."""
@@ -158,6 +168,7 @@ class Reader:
         log.error("step %d raised on groups %s: %r; re-reading them (dead-lettered after "
                   "%d deliveries)", t.state.step + 1, gids[:8], err,
                   t.cfg.bus.max_deliveries, exc_info=err)
-        bus.replay_pending(bus.keys.scored, TRAINERS_GROUP, t.consumer)
+        for k in bus.lanes.keys:
+            bus.replay_pending(k.scored, TRAINERS_GROUP, t.consumer)
         await asyncio.sleep(0.5)  # no hot loop on a persistent failure
         return []

@@ -126,15 +126,16 @@ class Scorer:
         if await self.ledger.settle(
                 op, [{"ev": "dead", "gid": gid, "retired": gid is not None, "id": e.id,
                       "reason": reason[:200]}],
-                lambda: bus.dead_letter(bus.keys.rollouts, SCORERS_GROUP, e, reason=reason,
+                lambda: bus.dead_letter(e.stream, SCORERS_GROUP, e, reason=reason,
                                         role=self.wid, retire=gid is not None, op=op)):
             self.counts["dead"] += 1
 
     async def process(self, bus: Bus, entries: list[Entry]) -> None:
         decoded: list[tuple[Entry, RolloutGroup]] = []
         for e in entries:
+            e.stream = e.stream or bus.keys.rollouts  # built by hand (tests): lane 0's
             if e.fields is None:  # deleted while pending: nothing to score
-                await bus.ack(bus.keys.rollouts, SCORERS_GROUP, e.id)
+                await bus.ack(e.stream, SCORERS_GROUP, e.id)
                 continue
             if e.deliveries > self.cfg.bus.max_deliveries:
                 await self.dead(bus, e, f"delivered {e.deliveries} times")
@@ -185,7 +186,7 @@ class Scorer:
                 op = self.op("filtered", e)
                 if await self.ledger.settle(
                         op, [{"ev": "filtered", "gid": gid, "id": e.id}],
-                        lambda e=e, op=op: bus.retire(bus.keys.rollouts, SCORERS_GROUP, [e.id],
+                        lambda e=e, op=op: bus.retire(e.stream, SCORERS_GROUP, [e.id],
                                                       "filtered", op=op)):
                     self.counts["filtered"] += 1
                 continue
@@ -199,9 +200,10 @@ class Scorer:
                                                      "id": e.id,
                                                      "version": int(g.min_version)}]))
         if handoffs:  # the read's hand-offs in one pipelined round trip (module docstring)
+            src = scored[0][0].stream  # one read is one lane's (`Bus.read_lanes`)
             done = await self.ledger.settle_many(
                 [(op, planned) for *_, op, planned in handoffs],
-                lambda: bus.handoff_many(bus.keys.rollouts, SCORERS_GROUP, bus.keys.scored,
+                lambda: bus.handoff_many(src, SCORERS_GROUP, bus.lanes.of_stream(src).scored,
                                          [(i, p, op) for i, p, op, _ in handoffs]))
             self.counts["scored"] += sum(1 for new_id in done if new_id)
 
@@ -214,8 +216,11 @@ class Scorer:
     async def run(self, stop: asyncio.Event) -> None:
         await probe_rewards(self.cfg, self.rewards)
         bus = connect(self.cfg)
-        await bus.retrying(lambda: bus.ensure_group(bus.keys.rollouts, SCORERS_GROUP), "group")
-        await bus.retrying(lambda: bus.ensure_group(bus.keys.scored, TRAINERS_GROUP), "group")
+        for lane in bus.lanes.keys:
+            await bus.retrying(lambda k=lane: bus.ensure_group(k.rollouts, SCORERS_GROUP),
+                               "group")
+            await bus.retrying(lambda k=lane: bus.ensure_group(k.scored, TRAINERS_GROUP),
+                               "group")
         hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info, self.metrics)
         hb.start()
         watcher = asyncio.create_task(self.watch_control(bus, stop))
@@ -227,15 +232,18 @@ class Scorer:
                 entries = []
                 if time.monotonic() - last_claim > claim_every_s:
                     last_claim = time.monotonic()
-                    entries = await bus.retrying(lambda: bus.reclaim(
-                        bus.keys.rollouts, SCORERS_GROUP, self.consumer,
-                        min_idle_ms=self.cfg.bus.claim_idle_ms,
-                        count=self.cfg.scoring.read_count), "reclaim", stop)
-                    self.counts["reclaimed"] += len(entries)
+                    for lane in bus.lanes.keys:  # a claimed batch is one lane's
+                        entries = await bus.retrying(lambda k=lane: bus.reclaim(
+                            k.rollouts, SCORERS_GROUP, self.consumer,
+                            min_idle_ms=self.cfg.bus.claim_idle_ms,
+                            count=self.cfg.scoring.read_count), "reclaim", stop)
+                        self.counts["reclaimed"] += len(entries)
+                        if entries:
+                            break
                     await bus.retrying(lambda: self.janitor(bus), "janitor", stop)
                 if not entries:
-                    entries = await bus.retrying(lambda: bus.read_group(
-                        bus.keys.rollouts, SCORERS_GROUP, self.consumer,
+                    entries = await bus.retrying(lambda: bus.read_lanes(
+                        "rollouts", SCORERS_GROUP, self.consumer,
                         count=self.cfg.scoring.read_count, block_ms=self.cfg.bus.block_ms),
                         "read rollouts", stop)
                 self.busy = bool(entries)
@@ -248,19 +256,22 @@ class Scorer:
             await join(watcher, self.cfg.bus.block_ms / 1000 + 5)
             left = "unknown"
             with contextlib.suppress(Exception):
-                left = "yes" if await bus.retire_consumer(
-                    bus.keys.rollouts, SCORERS_GROUP, self.consumer) else "no (entries pending)"
+                gone = [await bus.retire_consumer(k.rollouts, SCORERS_GROUP, self.consumer)
+                        for k in bus.lanes.keys]
+                left = "yes" if all(gone) else "no (entries pending)"
             await hb.stop(forget=left == "yes")
             await bus.close()
             self.ledger.close()
             log.info("scorer %s stopped: %s; left the group: %s", self.wid, self.counts, left)
 
     async def janitor(self, bus: Bus) -> None:
-        """Free acknowledged ``rollouts`` entries and forget long-dead consumers."""
-        self.counts["trimmed"] = self.counts.get("trimmed", 0) + await bus.trim_acked(
-            bus.keys.rollouts, keep_ms=int(self.cfg.bus.keep_acked_s * 1000))
-        await bus.prune_consumers(bus.keys.rollouts, SCORERS_GROUP,
-                                  idle_ms=10 * self.cfg.bus.claim_idle_ms)
+        """Free acknowledged ``rollouts`` entries and forget long-dead consumers, in every
+        lane."""
+        for k in bus.lanes.keys:
+            self.counts["trimmed"] = self.counts.get("trimmed", 0) + await bus.trim_acked(
+                k.rollouts, keep_ms=int(self.cfg.bus.keep_acked_s * 1000))
+            await bus.prune_consumers(k.rollouts, SCORERS_GROUP,
+                                      idle_ms=10 * self.cfg.bus.claim_idle_ms)
 
 
 def reward_specs(cfg: Config, key: str = "scoring.rewards") -> list[RewardSpec]:

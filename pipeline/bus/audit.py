@@ -32,7 +32,7 @@ from typing import Any
 
 from pipeline.bus.client import Bus
 from pipeline.bus.codec import peek_group_id
-from pipeline.bus.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP
+from pipeline.bus.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP, Keys
 from pipeline.bus.ledger import acted, read_ledgers
 
 ADV_SUM_TOL = 1e-3  # per completion: float32 advantages of a centred group sum to ~1e-7
@@ -95,7 +95,28 @@ async def live_view(bus: Bus, ops: list[tuple[str, str]] | None = None) -> LiveV
     (`pending_intents`). Take it with the roles stopped or paused: a moving pipeline can
     show a group between two places."""
     entries: dict[str, list[str]] = defaultdict(list)
-    for stream, group in ((bus.keys.rollouts, SCORERS_GROUP), (bus.keys.scored, TRAINERS_GROUP)):
+    for k in bus.lanes.keys:
+        await _unacked(bus, k, entries)
+    leased: set[int] = set()
+    for lane, k in enumerate(bus.lanes.keys):
+        leased |= {bus.lanes.join(lane, int(c)) for c in await bus.r.hkeys(k.leases)}
+    results: dict[tuple[str, str], Any] = {}
+    for role, op in ops or []:
+        # a lane's scripts store their results in that lane; a trainer step's retire is
+        # one script per lane under one op, each returning the ids it retired
+        found = [json.loads(raw) for k in bus.lanes.keys
+                 if (raw := await bus.r.get(k.op(role, op))) is not None]
+        if len(found) > 1 and all(isinstance(f, list) for f in found):
+            results[(role, op)] = [i for f in found for i in f]
+        else:
+            results[(role, op)] = found[0] if found else None
+    return LiveView(await bus.state(), leased, dict(entries), results)
+
+
+async def _unacked(bus: Bus, k: Keys, entries: dict[str, list[str]]) -> None:
+    """Every entry of lane ``k``'s ``rollouts`` and ``scored`` not yet acknowledged by the
+    group that consumes it, by group id (undelivered or pending, and on whom)."""
+    for stream, group in ((k.rollouts, SCORERS_GROUP), (k.scored, TRAINERS_GROUP)):
         if not await bus.r.exists(stream):
             continue
         info = {g["name"].decode(): g for g in await bus.r.xinfo_groups(stream)}
@@ -111,12 +132,6 @@ async def live_view(bus: Bus, ops: list[tuple[str, str]] | None = None) -> LiveV
                                                            p["message_id"]):
                     entries[peek_group_id(fields) or "?"].append(
                         f"{short} {entry_id.decode()} pending on {p['consumer'].decode()}")
-    leased = {int(c) for c in await bus.r.hkeys(bus.keys.leases)}
-    results: dict[tuple[str, str], Any] = {}
-    for role, op in ops or []:
-        raw = await bus.r.get(bus.keys.op(role, op))
-        results[(role, op)] = None if raw is None else json.loads(raw)
-    return LiveView(await bus.state(), leased, dict(entries), results)
 
 
 def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,

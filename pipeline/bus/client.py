@@ -49,7 +49,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.bus import scripts as lua
 from pipeline.bus.codec import FIELD
+from pipeline.bus.connection import CLIENT_OPTIONS, ClusterModeError, async_client
 from pipeline.bus.keys import GROUP_ROLE, RETIRE_REASONS, Keys
+from pipeline.bus.lanes import Lanes, add_states
 from pipeline.bus.security import TLSFiles, client_options
 
 log = logging.getLogger("sluice.bus")
@@ -76,59 +78,8 @@ class Entry:
     id: str
     fields: dict[bytes, bytes] | None
     deliveries: int = 1
-
-
-CLIENT_OPTIONS: dict[str, Any] = {
-    "decode_responses": False,
-    "socket_connect_timeout": 5,
-    # no command may hang forever; blocking reads use block_ms (<= 60 s) below this
-    "socket_timeout": 90,
-}
-
-
-def async_client(url: str, *, cluster: bool = False, **opts: Any) -> Any:
-    """The one way sluice opens an asyncio Redis client: a plain client, or with
-    ``cluster`` a RedisCluster that discovers the masters from ``url`` and routes each
-    key (every key of a run carries one hash tag, so a script lands on one master)."""
-    if cluster:
-        return aioredis.RedisCluster.from_url(url, **CLIENT_OPTIONS, **opts)
-    return aioredis.from_url(url, **CLIENT_OPTIONS, health_check_interval=15, **opts)
-
-
-def sync_client(url: str, *, cluster: bool = False, **opts: Any) -> Any:
-    """`async_client`'s blocking twin, for the supervisor and the tools."""
-    import redis
-
-    if cluster:
-        return redis.RedisCluster.from_url(url, **CLIENT_OPTIONS, **opts)
-    return redis.Redis.from_url(url, **CLIENT_OPTIONS, **opts)
-
-
-def check_cluster(url: str, **opts: Any) -> int:
-    """Fail fast, naming the key, unless ``url`` is a node of a healthy Redis Cluster
-    whose masters cover all 16384 slots; returns the number of masters. A role started
-    against a broken cluster would otherwise retry ``CLUSTERDOWN`` forever."""
-    import redis
-
-    client = redis.Redis.from_url(url, **CLIENT_OPTIONS, **opts)
-    try:
-        try:
-            info = client.execute_command("CLUSTER", "INFO")
-        except ResponseError as e:
-            raise ClusterModeError(f"bus.cluster = true but the Redis at bus.redis_url is not "
-                                   f"a cluster node ({e}); set bus.cluster = false") from e
-        if isinstance(info, bytes):
-            info = info.decode()
-        fields = dict(line.split(":", 1) for line in str(info).split() if ":" in line)
-        assigned = int(fields.get("cluster_slots_assigned", 0))
-        if fields.get("cluster_state") != "ok" or assigned != 16384:
-            raise ClusterModeError(
-                f"bus.redis_url: the Redis Cluster is not usable (cluster_state "
-                f"{fields.get('cluster_state')}, {assigned} of 16384 slots assigned); every "
-                "slot must have a master (redis-cli --cluster check / fix)")
-        return int(fields.get("cluster_size", 0))
-    finally:
-        client.close()
+    stream: str = ""
+    """The stream key it was read from: with partitions, the lane that owns it."""
 
 
 @dataclass
@@ -168,20 +119,32 @@ def group_view(infos: Any, group: str) -> GroupView:
                      pending=int(info.get("pending", 0) or 0), info=info)
 
 
+def merge_views(views: list[GroupView]) -> GroupView:
+    """One consumer group over every lane of a stream: lags and pending summed (the lag
+    unknown if any lane's is)."""
+    if len(views) == 1:
+        return views[0]
+    lags = [v.lag for v in views]
+    return GroupView(exists=any(v.exists for v in views),
+                     lag=None if any(x is None for x in lags) else sum(x or 0 for x in lags),
+                     pending=sum(v.pending for v in views),
+                     info=next((v.info for v in views if v.exists), {}))
+
+
 def worker_id(role: str, name: str | None = None) -> str:
     """``role/host-pid`` unless a stable name is given (trainer ranks resume by name)."""
     return f"{role}/{name or f'{socket.gethostname()}-{os.getpid()}'}"
 
 
-class ClusterModeError(RuntimeError):
-    """The server is a Redis Cluster node but the client was not told (`bus.cluster`)."""
-
-
 class Bus:
     """Async access to one run's streams and state. Create with `Bus.connect`."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, *, reconnect_max_s: float = 10.0):
+    def __init__(self, client: aioredis.Redis, keys: Keys, *, reconnect_max_s: float = 10.0,
+                 partitions: int = 1):
         self.r = client
+        self.lanes = Lanes(keys, partitions)
+        self._next_lane = 0  # where the next admission starts (round-robin over lanes)
+        self._next_read: dict[tuple[str, str], int] = {}  # the same for each read_lanes
         self.cluster = isinstance(client, aioredis.RedisCluster)
         self._node_opts: dict[str, Any] = {}  # login/TLS options for `slot_client`
         self._slot_clients: dict[tuple[str, int], aioredis.Redis] = {}
@@ -208,18 +171,20 @@ class Bus:
     def connect(cls, url: str, run: str, *, reconnect_max_s: float = 10.0,
                 username: str | None = None, password: str | None = None,
                 role: str | None = None, credentials_file: str | None = None,
-                tls: TLSFiles | None = None, cluster: bool = False) -> Bus:
+                tls: TLSFiles | None = None, cluster: bool = False,
+                partitions: int = 1) -> Bus:
         """Connect lazily (the first command opens the socket).
 
         Credentials come from arguments, else those of ``role`` from the environment or
         the credentials file (`pipeline.bus.security.resolve_credentials`), never from argv.
         ``tls`` names the CA / client certificate files of a ``rediss://`` URL.
-        ``cluster``: ``url`` is one node of a Redis Cluster (`bus.cluster`).
+        ``cluster``: ``url`` is one node of a Redis Cluster (`bus.cluster`);
+        ``partitions``: the run's lanes (`bus.partitions`, `pipeline.bus.lanes`).
         """
         opts = client_options(url, role=role, credentials_file=credentials_file, tls=tls,
                               username=username, password=password)
         client = async_client(url, cluster=cluster, **opts)
-        bus = cls(client, Keys(run), reconnect_max_s=reconnect_max_s)
+        bus = cls(client, Keys(run), reconnect_max_s=reconnect_max_s, partitions=partitions)
         bus._node_opts = {**opts, **({"ssl": True} if url.startswith("rediss:") else {})}
         return bus
 
@@ -291,7 +256,7 @@ class Bus:
                 raise
 
     async def read_group(self, stream: str, group: str, consumer: str, *, count: int,
-                         block_ms: int) -> list[Entry]:
+                         block_ms: int | None) -> list[Entry]:
         """Own pending entries first (once, after a (re)start), then new ones.
 
         The backlog of a consumer name is what it read before a crash or restart; it is
@@ -303,7 +268,7 @@ class Bus:
         start = self._backlog.get(backlog_key, "0")
         if start is not None:
             resp = await self.r.xreadgroup(group, consumer, {stream: start}, count=count)
-            entries = _entries(resp)
+            entries = _entries(resp, stream)
             if entries:
                 self._backlog[backlog_key] = entries[-1].id
                 counts = await self.delivery_counts(stream, group, [e.id for e in entries])
@@ -313,7 +278,31 @@ class Bus:
             self._backlog[backlog_key] = None
         resp = await self.r.xreadgroup(group, consumer, {stream: ">"}, count=count,
                                        block=block_ms)
-        return _entries(resp)
+        return _entries(resp, stream)
+
+    async def read_lanes(self, name: str, group: str, consumer: str, *, count: int,
+                         block_ms: int) -> list[Entry]:
+        """`read_group` over every lane of stream ``name``: one lane's entries per call,
+        the lanes taken in turn so none starves. With one partition this is `read_group`
+        itself. With several, a lane with nothing to read is passed without waiting, and
+        only when every lane is empty does the call block, on the next lane and for at
+        most 50 ms (a blocked read cannot wait on several slots of a cluster at once), so
+        an entry in any lane waits at most that long."""
+        streams = self.lanes.streams(name)
+        if len(streams) == 1:
+            return await self.read_group(streams[0], group, consumer, count=count,
+                                         block_ms=block_ms)
+        start = self._next_read.get((name, group), 0)
+        for i in range(len(streams)):
+            lane = (start + i) % len(streams)
+            got = await self.read_group(streams[lane], group, consumer, count=count,
+                                        block_ms=None)  # type: ignore[arg-type]
+            if got:
+                self._next_read[(name, group)] = lane + 1
+                return got
+        self._next_read[(name, group)] = start + 1
+        return await self.read_group(streams[start % len(streams)], group, consumer,
+                                     count=count, block_ms=min(block_ms, 50))
 
     def replay_pending(self, stream: str, group: str, consumer: str) -> None:
         """Make the next `read_group` of ``consumer`` replay its pending entries from the
@@ -334,21 +323,22 @@ class Bus:
         resp = await self.r.xautoclaim(stream, group, consumer, min_idle_time=min_idle_ms,
                                        start_id="0-0", count=count)
         claimed = resp[1] if len(resp) > 1 else []
-        entries = [Entry(_s(i), f) for i, f in claimed if i is not None]
+        entries = [Entry(_s(i), f, stream=stream) for i, f in claimed if i is not None]
         counts = await self.delivery_counts(stream, group, [e.id for e in entries])
         for e in entries:
             e.deliveries = counts.get(e.id, 1)
         deleted = resp[2] if len(resp) > 2 else []
-        entries += [Entry(_s(i), None) for i in deleted]
+        entries += [Entry(_s(i), None, stream=stream) for i in deleted]
         return entries
 
-    def _op(self, group: str, op: str) -> str:
-        """The op key of a script that acks ``group``'s entries: in the namespace of the
-        role consuming that group (the only role whose ACL user may ack them)."""
+    def _op(self, group: str, op: str, stream: str) -> str:
+        """The op key of a script that acks ``group``'s entries of ``stream``: in the lane
+        of that stream and the namespace of the role consuming that group (the only role
+        whose ACL user may ack them)."""
         if group not in GROUP_ROLE:
             raise ValueError(f"unknown consumer group {group!r}; expected one of "
                              f"{sorted(GROUP_ROLE)}")
-        return self.keys.op(GROUP_ROLE[group], op)
+        return self.lanes.of_stream(stream).op(GROUP_ROLE[group], op)
 
     async def ack(self, stream: str, group: str, *ids: str) -> int:
         return int(await self.r.xack(stream, group, *ids)) if ids else 0
@@ -362,7 +352,8 @@ class Bus:
             raise ValueError(f"unknown retire reason {reason!r}")
         if not ids:
             return []
-        done = await self._retire(keys=[stream, self.keys.state, self._op(group, op)],
+        lane = self.lanes.of_stream(stream)
+        done = await self._retire(keys=[stream, lane.state, self._op(group, op, stream)],
                                   args=[group, reason, *ids])
         return [_s(i) for i in done or []]
 
@@ -378,7 +369,7 @@ class Bus:
         (`pipeline.bus.scripts.pipelined`); the new ids (None where the entry was no
         longer pending), in order."""
         got = await lua.pipelined(self.r, self._handoff, [
-            ([src, dst, self._op(group, op)], [group, entry_id, FIELD, payload])
+            ([src, dst, self._op(group, op, src)], [group, entry_id, FIELD, payload])
             for entry_id, payload, op in items])
         return [_s(i) if i else None for i in got]
 
@@ -391,7 +382,8 @@ class Bus:
                              b"t", str(time.time()).encode()]
         for k, v in (entry.fields or {}).items():
             fields += [b"orig:" + k, v]
-        done = await self._dead(keys=[src, self.keys.state, self.keys.dlq, self._op(group, op)],
+        lane = self.lanes.of_stream(src)
+        done = await self._dead(keys=[src, lane.state, lane.dlq, self._op(group, op, src)],
                                 args=[group, entry.id, "1" if retire else "0", *fields])
         return bool(done)
 
@@ -420,11 +412,29 @@ class Bus:
         `renew`), in one script call; with the run's ``state.version`` at that moment.
         Idempotent per ``op`` (default: a fresh one per call), so a call retried after a
         lost reply gets the same cursors instead of leaking leases to expiry."""
-        got = await self._admit(
-            keys=[self.keys.state, self.keys.leases,
-                  self.keys.op("generator", op or f"admit:{owner}:{uuid.uuid4().hex}")],
-            args=[window, owner, lease_ms, max(count, 0)])
-        return Admission(version=int(got[0]), cursors=[int(c) for c in got[1:]])
+        op = op or f"admit:{owner}:{uuid.uuid4().hex}"
+        lanes = self.lanes
+        if lanes.partitions == 1:
+            got = await self._admit(keys=[self.keys.state, self.keys.leases,
+                                          self.keys.op("generator", op)],
+                                    args=[window, owner, lease_ms, max(count, 0)])
+            return Admission(version=int(got[0]), cursors=[int(c) for c in got[1:]])
+        # with lanes: each lane admits within its share of the window, starting where the
+        # last call left off so the lanes fill evenly; one op per lane keeps it idempotent
+        cursors: list[int] = []
+        version = 0
+        for i in range(lanes.partitions):
+            lane = (self._next_lane + i) % lanes.partitions
+            k = lanes.keys[lane]
+            got = await self._admit(keys=[k.state, k.leases, k.op("generator", f"{op}:{lane}")],
+                                    args=[lanes.window(window, lane), owner, lease_ms,
+                                          max(count - len(cursors), 0)])
+            version = max(version, int(got[0]))
+            cursors += [lanes.join(lane, int(c)) for c in got[1:]]
+            if len(cursors) >= count:
+                break
+        self._next_lane = (self._next_lane + 1) % lanes.partitions
+        return Admission(version=version, cursors=cursors)
 
     async def admit(self, window: int, owner: str = "anon", lease_ms: int = 60_000
                     ) -> int | None:
@@ -437,14 +447,31 @@ class Bus:
         """Extend ``owner``'s leases; returns the cursors it no longer holds."""
         if not cursors:
             return []
-        lost = await self._renew(keys=[self.keys.leases], args=[owner, lease_ms, *cursors])
-        return [int(c) for c in lost or []]
+        lost: list[int] = []
+        for lane, locals_ in self._by_lane(cursors).items():
+            k = self.lanes.keys[lane]
+            got = await self._renew(keys=[k.leases], args=[owner, lease_ms, *locals_])
+            lost += [self.lanes.join(lane, int(c)) for c in got or []]
+        return lost
+
+    def _by_lane(self, cursors: list[int]) -> dict[int, list[int]]:
+        """Global cursors grouped by lane, as local cursors."""
+        out: dict[int, list[int]] = {}
+        for c in cursors:
+            out.setdefault(c % self.lanes.partitions, []).append(c // self.lanes.partitions)
+        return out
 
     async def takeover(self, owner: str, lease_ms: int, max_count: int) -> list[int]:
         """Take over up to ``max_count`` expired leases (admitted groups whose generator
         died before appending them); the caller must generate and emit them."""
-        got = await self._takeover(keys=[self.keys.leases], args=[owner, lease_ms, max_count])
-        return [int(c) for c in got or []]
+        taken: list[int] = []
+        for lane, k in enumerate(self.lanes.keys):
+            if len(taken) >= max_count:
+                break
+            got = await self._takeover(keys=[k.leases],
+                                       args=[owner, lease_ms, max_count - len(taken)])
+            taken += [self.lanes.join(lane, int(c)) for c in got or []]
+        return taken
 
     async def emit(self, payload: bytes, *, cursor: int, owner: str,
                    op: str | None = None) -> str | None:
@@ -460,10 +487,12 @@ class Bus:
         """`emit` of several ``(cursor, payload, op)`` in one round trip
         (`pipeline.bus.scripts.pipelined`); the new ids (None where ``owner`` had lost the
         lease), in order."""
-        got = await lua.pipelined(self.r, self._emit, [
-            ([self.keys.rollouts, self.keys.state, self.keys.leases,
-              self.keys.op("generator", op)],
-             [cursor, owner, FIELD, payload]) for cursor, payload, op in groups])
+        calls = []
+        for cursor, payload, op in groups:
+            k, local = self.lanes.split(cursor)
+            calls.append(([k.rollouts, k.state, k.leases, k.op("generator", op)],
+                          [local, owner, FIELD, payload]))
+        got = await lua.pipelined(self.r, self._emit, calls)
         return [_s(i) if i else None for i in got]
 
     async def abandon(self, group_id: str, *, cursor: int, owner: str, reason: str,
@@ -471,10 +500,11 @@ class Bus:
         """Retire an admitted group that will never be appended (its generation failed
         for good) as ``dead``, with a dlq record naming it and the reason; only while
         ``owner`` holds its lease. Idempotent per (cursor, owner)."""
+        k, local = self.lanes.split(cursor)
         done = await self._abandon(
-            keys=[self.keys.state, self.keys.dlq, self.keys.leases,
-                  self.keys.op("generator", op or f"abandon:{cursor}:{owner}")],
-            args=[cursor, owner, b"reason", reason.encode()[:2000], b"role", role.encode(),
+            keys=[k.state, k.dlq, k.leases,
+                  k.op("generator", op or f"abandon:{cursor}:{owner}")],
+            args=[local, owner, b"reason", reason.encode()[:2000], b"role", role.encode(),
                   b"group_id", group_id.encode(), b"t", str(time.time()).encode()])
         return bool(done)
 
@@ -490,11 +520,21 @@ class Bus:
             await self.r.delete(self.keys.trainer_lock)
 
     async def set_version(self, version: int) -> bool:
-        return bool(await self._set_version(keys=[self.keys.state], args=[version]))
+        """Move ``state.version`` forward, in the global state and its mirror in every
+        lane (where the admission script reads it); True if the global one moved."""
+        moved = [bool(await self._set_version(keys=[key], args=[version]))
+                 for key in self.lanes.state_keys()]
+        return moved[0]
 
     async def state(self) -> dict[str, int]:
-        raw = await self.r.hgetall(self.keys.state)
-        return {_s(k): int(v) for k, v in raw.items()}
+        """The run's ``state``: with lanes, their counters summed (`add_states`)."""
+        hashes = []
+        for key in self.lanes.state_keys():
+            raw = await self.r.hgetall(key)
+            hashes.append({_s(k): int(v) for k, v in raw.items()})
+        lane_keys = {k.state for k in self.lanes.keys}
+        return add_states(hashes[0], [h for key, h in zip(self.lanes.state_keys(), hashes,
+                                                           strict=True) if key in lane_keys])
 
     async def xadd(self, stream: str, payload: bytes, *, maxlen: int | None = None) -> str:
         return _s(await self.r.xadd(stream, {FIELD: payload}, maxlen=maxlen, approximate=True))
@@ -502,18 +542,25 @@ class Bus:
     async def stream_stats(self, streams: Sequence[str], groups: Sequence[tuple[str, str]]
                            ) -> tuple[dict[str, int | None], dict[tuple[str, str], GroupView]]:
         """XLEN of each stream in ``streams`` and the `GroupView` of each (stream, group)
-        in ``groups`` (short stream names: ``rollouts``, ``dlq``), in one round trip. A
-        length Redis refused (a missing permission) is None; a missing stream has 0."""
+        in ``groups`` (short stream names: ``rollouts``, ``dlq``), in one round trip, summed
+        over the lanes. A length Redis refused (a missing permission) is None; a missing
+        stream has 0."""
         pipe = self.r.pipeline(transaction=False)
         for name in streams:
-            pipe.xlen(self.keys.stream(name))
+            for key in self.lanes.streams(name):
+                pipe.xlen(key)
         for name, _ in groups:
-            pipe.xinfo_groups(self.keys.stream(name))
-        res = await pipe.execute(raise_on_error=False)
-        lengths = {n: None if isinstance(v, Exception) else int(v)
-                   for n, v in zip(streams, res, strict=False)}
-        views = {g: group_view(v, g[1]) for g, v in zip(groups, res[len(streams):],
-                                                         strict=True)}
+            for key in self.lanes.streams(name):
+                pipe.xinfo_groups(key)
+        res = iter(await pipe.execute(raise_on_error=False))
+        n = self.lanes.partitions
+        lengths: dict[str, int | None] = {}
+        for name in streams:
+            got = [next(res) for _ in range(n)]
+            lengths[name] = None if any(isinstance(v, Exception) for v in got) else \
+                sum(int(v) for v in got)
+        views = {g: merge_views([group_view(next(res), g[1]) for _ in range(n)])
+                 for g in groups}
         return lengths, views
 
     async def heartbeat(self, wid: str, info: dict[str, Any]) -> None:
@@ -537,9 +584,9 @@ def _id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def _entries(resp: Any) -> list[Entry]:
+def _entries(resp: Any, stream: str) -> list[Entry]:
     out: list[Entry] = []
     for _stream, items in resp or []:
         for entry_id, fields in items:
-            out.append(Entry(_s(entry_id), fields or None))
+            out.append(Entry(_s(entry_id), fields or None, stream=stream))
     return out

@@ -3,12 +3,23 @@
 Every key of a run shares the hash tag ``{run}`` so a Lua script or MULTI block that
 touches several of them lands on one Redis Cluster slot. Nothing else in sluice builds
 key strings by hand.
+
+Partitions (`bus.partitions` = P > 1) split the bus into P *lanes*, each a self-contained
+copy of the keys the delivery scripts touch together — ``rollouts``, ``scored``, ``dlq``,
+``state`` (cursor and retirement counters, and a mirror of the weight version), ``leases``
+and the op keys — under its own hash tag, so every script still touches one slot while
+Redis Cluster spreads the lanes over its masters. What stays global, under ``{run}``: the
+weight version and the partition count (``state``), ``control``, ``workers`` and the
+trainer lock, all written by one role or by plain commands. With P = 1 the one lane *is*
+``{run}``: the keys of a run are the same as before partitions existed.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -26,21 +37,64 @@ GROUP_ROLE = {SCORERS_GROUP: "scorer", TRAINERS_GROUP: "trainer"}
 ack that group's entries (retire, hand-off, dead-letter)."""
 
 
+LANE_SEP = "~"
+"""Separates a run name from a lane number in a lane's hash tag (``{copy~2}``); run names
+cannot contain it, so ``sluice:{RUN~*}`` names exactly the lanes of RUN (the ACL uses it)."""
+
+
+def lane_tags(run: str, partitions: int) -> list[str]:
+    """The hash tag of each of ``partitions`` lanes of ``run``.
+
+    Lane i takes the first of ``run``, ``run~1``, ``run~2``, … not taken by an earlier lane
+    whose slot lies in the i-th of ``partitions`` equal ranges of the 16384 slots. A cluster
+    made by ``redis-cli --cluster create`` gives each master one such equal, contiguous
+    range, so with as many masters as partitions each lane lands on its own master (a
+    resharded cluster may put two lanes on one master: still correct, less spread). A pure
+    function of the name and P: every role computes the same lanes without asking Redis.
+    With P = 1 the one tag is ``run`` itself."""
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    span = REDIS_CLUSTER_HASH_SLOTS / partitions
+    tags: list[str] = []
+    for lane in range(partitions):
+        k = 0
+        while True:
+            tag = run if k == 0 else f"{run}{LANE_SEP}{k}"
+            if tag not in tags and int(key_slot(f"{{{tag}}}".encode()) // span) == lane:
+                break
+            k += 1
+        tags.append(tag)
+    return tags
+
+
 @dataclass(frozen=True)
 class Keys:
-    """The key names of run ``run``; construct with a validated run name."""
+    """The key names of run ``run`` (its global keys); `lanes` gives those of each
+    partition. Construct with a validated run name; ``tag`` (default: the run name) is
+    the hash tag of a lane, from `lane_tags`."""
 
     run: str
+    tag: str = ""
 
     def __post_init__(self) -> None:
         if not _RUN_NAME.fullmatch(self.run):
             raise ValueError(
                 f"run name {self.run!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
             )
+        if self.tag == self.run:  # the run's own tag: the same keys, equal to Keys(run)
+            object.__setattr__(self, "tag", "")
+        if self.tag and not re.fullmatch(
+                re.escape(self.run + LANE_SEP) + r"[0-9]+", self.tag):
+            raise ValueError(f"lane tag {self.tag!r} is not one of run {self.run!r}")
 
     @property
     def prefix(self) -> str:
-        return f"sluice:{{{self.run}}}"
+        return f"sluice:{{{self.tag or self.run}}}"
+
+    def lanes(self, partitions: int) -> list[Keys]:
+        """The keys of each of ``partitions`` lanes (`lane_tags`); lane 0 of one partition
+        is the run's own keys."""
+        return [Keys(self.run, tag) for tag in lane_tags(self.run, partitions)]
 
     @property
     def rollouts(self) -> str:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.bus.keys import Keys
+from pipeline.bus.keys import LANE_SEP, Keys
 from pipeline.bus.security import ROLES, Credentials, new_password, write_credentials_file
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "redis" / "users.acl"
@@ -62,7 +62,7 @@ def render(template: str, prefix: str, passwords: dict[str, str]) -> str:
     lines = []
     for line in logical_lines(template):
         try:
-            lines.append(string.Template(line).substitute(mapping))
+            lines.append(with_lanes(string.Template(line).substitute(mapping), prefix))
         except KeyError as e:
             raise ValueError(f"ACL template: no value for placeholder {e}") from None
         except ValueError as e:
@@ -73,6 +73,18 @@ def render(template: str, prefix: str, passwords: dict[str, str]) -> str:
             raise ValueError("ACL template: op keys are granted per role (op:<role>:*), "
                              f"not all at once: {line[:60]!r}")
     return "\n".join(lines) + "\n"
+
+
+def with_lanes(line: str, prefix: str) -> str:
+    """Each key pattern of one run's prefix (``~sluice:{RUN}:…``, with its ``%R``/``%W``)
+    followed by the same pattern for the run's lanes (``~sluice:{RUN~*}:…``: run names
+    cannot hold ``~``, so this names exactly RUN's partitions, `pipeline.bus.keys`). The
+    every-run prefix ``sluice:{*}`` already covers lanes."""
+    if not prefix.endswith("}") or prefix.endswith("{*}"):
+        return line
+    lanes = prefix[:-1] + LANE_SEP + "*}"
+    return re.sub(r"((?:%[RW]+)?~)" + re.escape(prefix) + r"(:[^\s)]*)",
+                  lambda m: f"{m[1]}{prefix}{m[2]} {m[1]}{lanes}{m[2]}", line)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Read-only views of a run: `snapshot` (for `sluice status`) and `tail` (follow a stream).
 
-The monitor never writes. `snapshot` reads state and both consumer groups in one MULTI,
-so the conservation equation it reports is checked on one instant of the bus:
+The monitor never writes. `snapshot` reads state and both consumer groups of each lane in
+one MULTI, so the conservation equation it reports is checked on one instant of the bus
+(of each lane, with `bus.partitions` > 1: a group never leaves its lane):
 
     cursor == retired + in_flight,
     in_flight = generating + Σ_streams (undelivered lag + pending)
@@ -18,9 +19,10 @@ from typing import Any
 import numpy as np
 from redis.exceptions import ResponseError
 
-from pipeline.bus.client import Bus, decode_reply, group_view
+from pipeline.bus.client import Bus, decode_reply, group_view, merge_views
 from pipeline.bus.codec import DecodeError, decode_entry
-from pipeline.bus.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP
+from pipeline.bus.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP, Keys
+from pipeline.bus.lanes import add_states
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup, WeightsPublished
 
 PIPELINE_GROUPS = (("rollouts", SCORERS_GROUP), ("scored", TRAINERS_GROUP))
@@ -48,26 +50,61 @@ def lease_summary(raw: dict[Any, Any], now_ms: int) -> dict[str, dict[str, Any]]
     return dict(sorted(out.items()))
 
 
-async def snapshot(bus: Bus) -> dict[str, Any]:
-    """Streams, groups, consumers, workers, leases, state and the conservation check."""
-    k = bus.keys
+LANE_STREAMS = ("rollouts", "scored", "dlq")
+
+
+async def _read_lane(bus: Bus, k: Keys) -> list[Any]:
+    """One lane in one MULTI: state, stream lengths, both groups, leases, server time."""
     pipe = await bus.transaction(k.state)
     pipe.hgetall(k.state)
-    for name in ("rollouts", "scored", "control", "dlq"):
+    for name in LANE_STREAMS:
         pipe.xlen(k.stream(name))
     for name, group in PIPELINE_GROUPS:
         pipe.xinfo_groups(k.stream(name))
         pipe.xinfo_consumers(k.stream(name), group)
     pipe.hgetall(k.leases)
     pipe.time()
-    res = await pipe.execute(raise_on_error=False)
-    state = {_dec(a): int(b) for a, b in (res[0] or {}).items()}
-    lengths = dict(zip(("rollouts", "scored", "control", "dlq"), res[1:5], strict=True))
+    return list(await pipe.execute(raise_on_error=False))
+
+
+def _merge_consumers(lists: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A consumer's rows of every lane as one: pending summed, the least idle time."""
+    out: dict[str, dict[str, Any]] = {}
+    for rows in lists:
+        for c in rows:
+            row = out.setdefault(str(c.get("name")), dict(c))
+            if row is not c:
+                row["pending"] = int(row.get("pending", 0)) + int(c.get("pending", 0))
+                row["idle"] = min(int(row.get("idle", 0)), int(c.get("idle", 0)))
+    return list(out.values())
+
+
+async def snapshot(bus: Bus) -> dict[str, Any]:
+    """Streams, groups, consumers, workers, leases, state and the conservation check.
+
+    Each lane (`bus.partitions`) is read in one MULTI. A group lives in one lane from
+    admission to retirement, so the equation holds lane by lane on one instant of each,
+    and their sum is the run's."""
+    lanes = [await _read_lane(bus, k) for k in bus.lanes.keys]
+    global_state = {_dec(a): int(b) for a, b in (await bus.r.hgetall(bus.keys.state)).items()}
+    state = add_states(global_state, [{_dec(a): int(b) for a, b in (res[0] or {}).items()}
+                                      for res in lanes])
+    lengths: dict[str, Any] = {}
+    for j, name in enumerate(LANE_STREAMS):
+        got = [res[1 + j] for res in lanes]
+        lengths[name] = None if any(isinstance(v, Exception) for v in got) else \
+            sum(int(v) for v in got)
+    try:
+        lengths["control"] = int(await bus.r.xlen(bus.keys.control))
+    except ResponseError as e:
+        lengths["control"] = e
     groups: dict[str, Any] = {}
     in_streams: int | None = 0
     for i, (name, group) in enumerate(PIPELINE_GROUPS):
-        view, consumers = group_view(res[5 + 2 * i], group), res[6 + 2 * i]
-        cons = [] if isinstance(consumers, ResponseError) else [_dec(c) for c in consumers]
+        views = [group_view(res[4 + 2 * i], group) for res in lanes]
+        view = merge_views(views)
+        cons = _merge_consumers([[] if isinstance(res[5 + 2 * i], ResponseError)
+                                 else [_dec(c) for c in res[5 + 2 * i]] for res in lanes])
         lag = view.lag if view.exists else None
         if lag is None and view.exists:
             in_streams = None  # Redis cannot tell the lag (entries were deleted)
@@ -75,7 +112,11 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
             in_streams += int(lag or 0) + view.pending
         groups[f"{name}/{group}"] = {"lag": lag, "pending": view.pending, "consumers": cons,
                                      "exists": view.exists}
-    leases_raw, now = res[-2], res[-1]
+    leases_raw: dict[Any, Any] = {}
+    for lane, res in enumerate(lanes):
+        if not isinstance(res[-2], Exception):
+            leases_raw.update({(lane, c): v for c, v in res[-2].items()})
+    now = lanes[0][-1]
     now_ms = int(now[0]) * 1000 + int(now[1]) // 1000 if isinstance(now, tuple | list) \
         else int(time.time() * 1000)  # TIME refused: this machine's clock
     cursor, retired = state.get("cursor", 0), state.get("retired", 0)
@@ -84,9 +125,9 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
     workers = await bus.workers()
     return {
         "t": time.time(), "state": state, "lengths": lengths, "groups": groups,
-        "workers": workers,
-        "leases": {} if isinstance(leases_raw, Exception) else lease_summary(leases_raw,
-                                                                              now_ms),
+        "workers": workers, "partitions": bus.lanes.partitions,
+        "leases": {} if any(isinstance(res[-2], Exception) for res in lanes)
+        else lease_summary(leases_raw, now_ms),
         "conservation": {
             "cursor": cursor, "retired": retired, "in_flight": in_flight,
             "generating": generating,
@@ -187,28 +228,39 @@ def describe(stream: str, msg: Any) -> str:
 
 async def tail(bus: Bus, stream: str, *, from_start: bool = False, count: int | None = None,
                out: Any = print, stop: asyncio.Event | None = None) -> int:
-    """Follow ``stream`` and print one decoded line per entry; returns entries printed."""
-    key = bus.keys.stream(stream)
-    last = "0" if from_start else "$"
-    if last == "$":
-        rows = await bus.r.xrevrange(key, count=1)
-        last = rows[0][0].decode() if rows else "0"
+    """Follow ``stream`` and print one decoded line per entry; returns entries printed.
+    With `bus.partitions` > 1 every lane of the stream is followed (in turn: a blocking read
+    cannot span the slots of a cluster); entries of different lanes interleave."""
+    keys = [bus.keys.control] if stream == "control" else bus.lanes.streams(stream)
+    last: dict[str, str] = {}
+    for key in keys:
+        last[key] = "0"
+        if not from_start:
+            rows = await bus.r.xrevrange(key, count=1)
+            last[key] = rows[0][0].decode() if rows else "0"
+    block_ms = 500 if len(keys) == 1 else None
     n = 0
     while (stop is None or not stop.is_set()) and (count is None or n < count):
-        resp = await bus.retrying(lambda last=last: bus.r.xread({key: last}, block=500, count=50),
-                                  "tail", stop)
-        for _s, items in resp or []:
-            for entry_id, fields in items:
-                last = entry_id.decode()
-                if stream == "dlq":
-                    f = _dec({k: v for k, v in fields.items() if not k.startswith(b"orig:")})
-                    out(f"{last}  dlq  {f.get('role')}  {f.get('reason')}")
-                else:
-                    try:
-                        out(f"{last}  {describe(stream, decode_entry(fields))}")
-                    except DecodeError as e:
-                        out(f"{last}  <undecodable: {e}>")
-                n += 1
-                if count is not None and n >= count:
-                    return n
+        got = 0
+        for key in keys:
+            resp = await bus.retrying(lambda key=key: bus.r.xread(
+                {key: last[key]}, block=block_ms, count=50), "tail", stop)
+            for _s, items in resp or []:
+                for entry_id, fields in items:
+                    last[key] = entry_id.decode()
+                    got += 1
+                    if stream == "dlq":
+                        f = _dec({k: v for k, v in fields.items() if not k.startswith(b"orig:")})
+                        out(f"{last[key]}  dlq  {f.get('role')}  {f.get('reason')}")
+                    else:
+                        try:
+                            out(f"{last[key]}  {describe(stream, decode_entry(fields))}")
+                        except DecodeError as e:
+                            out(f"{last[key]}  <undecodable: {e}>")
+                    n += 1
+                    if count is not None and n >= count:
+                        return n
+        if not got and block_ms is None:
+            await asyncio.sleep(0.2)
+    return n
     return n

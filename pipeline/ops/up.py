@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bus.security import COMMAND_ROLES, env_for_role
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.evaluation import parse_target
 from pipeline.ops.embedded import EmbeddedRedis, free_port
 from pipeline.ops.monitor import snapshot
@@ -165,7 +165,7 @@ class Supervisor:
         self.spawn("eval", "evaluator", 1, every)
 
     def wait_for_trainer(self, timeout_s: float) -> None:
-        from pipeline.bus.client import sync_client
+        from pipeline.bus.connection import sync_client
         from pipeline.bus.keys import Keys
 
         client = sync_client(self.cfg.redis_url, cluster=self.cfg.bus.cluster,
@@ -381,6 +381,13 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
     servers: list[LocalServer] = []
     if not cfg.bus.redis_url:
         redis = EmbeddedRedis(out / "redis").start()
+    try:  # the bus as every role will find it: a cluster's slots, the run's partitions
+        asyncio.run(connect(cfg, role="monitor").close())
+    except ConfigError as e:
+        if redis is not None:
+            redis.stop()
+        print(f"sluice: {e}", file=sys.stderr)
+        return 2
     sup = Supervisor(cfg, config_path, overrides, eval_every_s=eval_every_s)
     stop = asyncio.Event()
     loop = asyncio.new_event_loop()

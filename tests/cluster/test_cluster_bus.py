@@ -5,12 +5,15 @@ told it talks to one, and a whole `sluice up` run on the cluster with a clean au
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import redis
 
-from pipeline.bus.client import Bus, ClusterModeError, check_cluster
+from pipeline.bus.client import Bus
+from pipeline.bus.connection import ClusterModeError, check_cluster
 from pipeline.config import ConfigError, load_config
 from pipeline.ops.embedded import EmbeddedCluster, EmbeddedRedis, free_port
 from tests.helpers import ROOT, run_up, up_args
@@ -72,26 +75,39 @@ def test_bus_cluster_needs_a_tcp_url() -> None:
 
 
 @pytest.mark.e2e
-def test_sluice_up_on_the_cluster_learns_and_passes_the_audit(
+def test_sluice_up_with_three_lanes_spreads_over_the_masters_and_audits_clean(
         tmp_path: Path, redis_cluster: EmbeddedCluster) -> None:
+    """`bus.partitions = 3` on the 3-master cluster: each lane's keys on its own master,
+    the run trains, conservation and the whole-history audit hold; resuming the run with
+    another partition count is refused at start, naming the key."""
     out = tmp_path / "run"
     cfg = tmp_path / "c.toml"
     cfg.write_text((ROOT / "examples" / "copy.toml").read_text())
     args = up_args(cfg, out, tmp_path / "model", "oncluster", "trainer.max_steps=40",
                    f"bus.redis_url={redis_cluster.url}", "bus.cluster=true",
-                   "run.max_time_s=300")
+                   "bus.partitions=3", "run.max_time_s=300")
     proc, summary = run_up(args, out, tmp_path, 420)
     c = summary["conservation"]
     assert summary["steps"] == 40 and c["balanced"], summary
     assert c["by_reason"]["trained"] == 40 * 8
     assert "ledger audit" in proc.stderr and ": OK:" in proc.stderr, proc.stderr[-3000:]
-    # every key of the run lives on the master that serves its hash tag
     client = redis.RedisCluster.from_url(redis_cluster.url)
     try:
-        keys = [k.decode() for k in client.scan_iter(match="sluice:{oncluster}:*",
+        keys = [k.decode() for k in client.scan_iter(match="sluice:{oncluster*}:*",
                                                      target_nodes=redis.RedisCluster.ALL_NODES)]
+        scored = sorted(k for k in keys if k.endswith(":scored"))
+        assert len(scored) == 3, keys
+        # every lane has trained groups, and the three lanes sit on three masters
+        assert all(client.xinfo_groups(k)[0]["entries-read"] > 0 for k in scored)
     finally:
         client.close()
-    assert {master_of(redis_cluster, k) for k in keys} == \
-        {master_of(redis_cluster, "sluice:{oncluster}:state")}
-    assert any(k.endswith(":scored") for k in keys)
+    assert len({master_of(redis_cluster, k) for k in scored}) == 3
+    for k in keys:  # each key on the master of its own lane's tag
+        tag = k[k.index("{") + 1:k.index("}")]
+        assert master_of(redis_cluster, k) == master_of(redis_cluster, f"{{{tag}}}")
+
+    again = [a.replace("bus.partitions=3", "bus.partitions=1") for a in args]
+    fail = subprocess.run(again, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert fail.returncode == 2, fail.stderr[-2000:]
+    assert "bus.partitions = 1, but this run was created with 3" in fail.stderr
