@@ -92,7 +92,8 @@ def connect(cfg: Config, role: str | None = None) -> Bus:
     each role gets its own ACL user when credentials are configured (docs/security.md).
     Checked once per process, so a mistake is an error at start rather than a role
     retrying forever: with `bus.cluster` that every slot is served; and that
-    `bus.partitions` is the run's (`check_partitions`; the trainer records it)."""
+    `bus.partitions` is the run's (`check_partitions`; the trainer and generators record
+    it before they write anything, so no admission precedes it)."""
     role = role or _process_role
     if (cfg.redis_url, cfg.run.name, cfg.bus.partitions) not in _checked:
         opts = redis_options(cfg, role)
@@ -102,7 +103,7 @@ def connect(cfg: Config, role: str | None = None) -> Bus:
             client = sync_client(cfg.redis_url, cluster=cfg.bus.cluster, **opts)
             try:
                 check_partitions(client, Keys(cfg.run.name).state, cfg.bus.partitions,
-                                 record=role == "trainer")
+                                 record=role in ("trainer", "generator"))
             finally:
                 client.close()
             _checked.add((cfg.redis_url, cfg.run.name, cfg.bus.partitions))

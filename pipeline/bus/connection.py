@@ -76,8 +76,10 @@ def check_partitions(client: Any, state_key: str, partitions: int, *, record: bo
     """Refuse a `bus.partitions` other than the run's: the lanes hold the run's groups,
     counters and leases, so reading another number of them would strand work and break
     conservation. ``state_key`` is the run's global state hash (a sync client's key);
-    the trainer (``record``) writes the value on a new run, first writer wins. A run from
-    before partitions existed (a ``cursor`` and no ``partitions`` field) has one."""
+    the roles that write (``record``: the trainer, generators) set the value on a new run
+    before their first write, first writer wins, so no group is admitted before it is
+    set. A run from before partitions existed (a ``cursor`` and no ``partitions``) has
+    one."""
     raw = client.hget(state_key, "partitions")
     if raw is None:
         if client.hexists(state_key, "cursor"):

@@ -21,8 +21,9 @@ import redis
 from pipeline.bus.audit import AuditReport, audit, live_view, pending_intents
 from pipeline.bus.client import Bus
 from pipeline.bus.keys import Keys
+from pipeline.bus.lanes import Lanes, add_states
 from pipeline.bus.ledger import read_ledgers
-from pipeline.ops.embedded import EmbeddedRedis, free_port
+from pipeline.ops.embedded import EmbeddedCluster, EmbeddedRedis, free_port
 from tests.helpers import run_header, spawn_role, wait_for
 
 NUM_GENERATIONS = 4
@@ -60,22 +61,33 @@ class Pipeline:
     """One run under test. Use as a context manager: every process it started (and its
     Redis) is ended by PID on exit, whatever the test did."""
 
-    def __init__(self, tmp: Path, model: Path, run: str = "fault"):
+    def __init__(self, tmp: Path, model: Path, run: str = "fault",
+                 cluster: EmbeddedCluster | None = None, partitions: int = 1):
+        """Its own redis-server, or with ``cluster`` a run on that (shared) Redis Cluster
+        in ``partitions`` lanes (the cluster outlives the pipeline: it is the session's)."""
         self.tmp = tmp
         self.out = tmp / "out"
-        self.redis = EmbeddedRedis(tmp / "redis", port=free_port(), appendonly=True)
+        self.cluster = cluster
+        self.redis = None if cluster else EmbeddedRedis(tmp / "redis", port=free_port(),
+                                                         appendonly=True)
+        self.url = cluster.url if cluster else self.redis.url  # type: ignore[union-attr]
         self.keys = Keys(run)
+        self.lanes = Lanes(self.keys, partitions)
+        bus = {**BUS, **({"cluster": "true", "partitions": partitions} if cluster else {})}
         self.config = tmp / "run.toml"
         self.config.write_text(
-            run_header(run, self.out, self.redis.url, **BUS)
+            run_header(run, self.out, self.url, **bus)
             + CONFIG.format(model=model, n=NUM_GENERATIONS, g=GROUPS_PER_STEP))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.roles: dict[str, str] = {}  # name -> sluice subcommand
         self.faults = 0
 
     def __enter__(self) -> Pipeline:
-        self.redis.start()
-        self.r = redis.Redis.from_url(self.redis.url, socket_timeout=10)
+        if self.redis is not None:
+            self.redis.start()
+            self.r: Any = redis.Redis.from_url(self.url, socket_timeout=10)
+        else:
+            self.r = redis.RedisCluster.from_url(self.url, socket_timeout=10)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -84,7 +96,8 @@ class Pipeline:
                 p.kill()
                 p.wait(10)
         self.r.close()
-        self.redis.stop()
+        if self.redis is not None:
+            self.redis.stop()
 
     # ------------------------------------------------------------------ processes
 
@@ -136,7 +149,19 @@ class Pipeline:
     # ------------------------------------------------------------------ observing
 
     def state(self) -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.state).items()}
+        """The run's state, its lanes' counters added up."""
+        def read(key: str) -> dict[str, int]:
+            return {k.decode(): int(v) for k, v in self.r.hgetall(key).items()}
+
+        return add_states(read(self.keys.state), [read(k.state) for k in self.lanes.keys])
+
+    def lease_deadlines(self) -> dict[int, int]:
+        """Every lane's leases: global cursor -> deadline (ms, Redis time)."""
+        out = {}
+        for lane, k in enumerate(self.lanes.keys):
+            for c, v in self.r.hgetall(k.leases).items():
+                out[self.lanes.join(lane, int(c))] = int(v.rsplit(b"|", 1)[1])
+        return out
 
     def worker(self, prefix: str) -> dict[str, Any]:
         for wid, raw in self.r.hgetall(self.keys.workers).items():
@@ -175,7 +200,8 @@ class Pipeline:
 
     def audit(self, **kw: Any) -> AuditReport:
         async def view() -> Any:
-            bus = Bus.connect(self.redis.url, self.keys.run)
+            bus = Bus.connect(self.url, self.keys.run, cluster=self.cluster is not None,
+                              partitions=self.lanes.partitions)
             try:
                 return await live_view(bus, pending_intents(rows))
             finally:
@@ -192,7 +218,7 @@ class Pipeline:
         group is left leased: each one was appended, or abandoned as dead."""
         report = self.audit()
         assert report.ok, f"{report.summary()}\n{self.logs()}"
-        assert not self.r.hgetall(self.keys.leases), "groups stuck in stopped generators"
+        assert not self.lease_deadlines(), "groups stuck in stopped generators"
         assert report.trained >= min_trained, report.summary()
         return report
 

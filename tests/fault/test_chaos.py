@@ -30,10 +30,22 @@ LEASE_MS = 3000  # generation.lease_s of the harness config
 
 def test_random_kills_of_every_role_lose_and_duplicate_nothing(tmp_path, tiny_model_dir
                                                                ) -> None:
+    chaos(Pipeline(tmp_path, tiny_model_dir))
+
+
+def test_random_kills_on_a_redis_cluster_in_three_lanes(tmp_path, tiny_model_dir,
+                                                        redis_cluster) -> None:
+    """The same on the session's 3-master Redis Cluster with `bus.partitions = 3`: every
+    lane on its own master, the kills landing in any lane's scripts."""
+    chaos(Pipeline(tmp_path, tiny_model_dir, run="chaoslanes", cluster=redis_cluster,
+                   partitions=3))
+
+
+def chaos(pipeline: Pipeline) -> None:
     full = os.environ.get("SLUICE_FAULTS") == "full"
     faults = int(os.environ.get("SLUICE_CHAOS_FAULTS", "80" if full else "8"))
     rng = random.Random(int(os.environ.get("SLUICE_CHAOS_SEED", "0")))
-    with Pipeline(tmp_path, tiny_model_dir) as p:
+    with pipeline as p:
         started: dict[str, float] = {}
         for name, role in ROLES.items():
             started[name] = time.time()
@@ -58,8 +70,8 @@ def test_random_kills_of_every_role_lose_and_duplicate_nothing(tmp_path, tiny_mo
         after_kills_ms = sec * 1000 + usec // 1000
 
         def dead_leases() -> dict[int, int]:
-            return {int(c): d for c, v in p.r.hgetall(p.keys.leases).items()
-                    if (d := int(v.rsplit(b"|", 1)[1])) <= after_kills_ms + LEASE_MS}
+            return {c: d for c, d in p.lease_deadlines().items()
+                    if d <= after_kills_ms + LEASE_MS}
 
         wait_for(lambda: not dead_leases(), 60,
                  lambda: f"the killed generators' leases to be taken over (cursor: deadline "
