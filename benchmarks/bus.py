@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -72,6 +73,7 @@ from pipeline.bus.client import Bus
 from pipeline.bus.codec import decode_entry, encode
 from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.bus.schema import Limits, RolloutGroup, ScoredGroup
+from pipeline.ops.embedded import EmbeddedCluster
 
 TARGET_RATE = 2.0  # sluice / mp.Queue groups/s, at 2 KB and 48 KB
 TARGET_RATE_SIZES = (2 * 1024, 48 * 1024)
@@ -79,7 +81,6 @@ TARGET_CPU_SHARE = 0.02  # bus CPU per group / trainer step per group
 GATE_POLL_S = 0.002  # a generator finding the gate closed polls again after this
 TRIM_EVERY_S = 1.0  # the consumer trims acknowledged `scored` entries this often
 RUN = "bench"
-P3_LINE = "P=3 cluster: not available (bus.partitions not implemented)"
 
 
 @dataclasses.dataclass
@@ -108,23 +109,26 @@ def _loop_run(coro: Any) -> None:
 # ------------------------------------------------------------ sluice arm: processes
 
 
-def generator_main(url: str, owner: str, group: RolloutGroup, window: int, concurrency: int,
-                   stop: Any, ready: Any) -> None:
-    """Admit -> encode -> emit until ``stop``; ``concurrency`` loops share one Bus."""
+def generator_main(run: str, url: str, owner: str, group: RolloutGroup, window: int,
+                   concurrency: int, batch: int, lanes: tuple[bool, int], stop: Any,
+                   ready: Any) -> None:
+    """Admit a batch -> encode -> emit the batch until ``stop``, as `workers.generator`
+    does (one admission script for up to ``batch`` cursors, their EMITs pipelined);
+    ``concurrency`` loops share one Bus. ``lanes``: (bus.cluster, bus.partitions)."""
     async def go() -> None:
-        bus = Bus.connect(url, RUN)
+        bus = Bus.connect(url, run, cluster=lanes[0], partitions=lanes[1])
         await bus.state()  # connected before the arm's clock starts
 
         async def loop() -> None:
             while not stop.is_set():
-                cursor = await bus.admit(window, owner, lease_ms=600_000)
-                if cursor is None:
+                got = await bus.admit_many(window, owner, 600_000, batch)
+                if not got.cursors:
                     await asyncio.sleep(GATE_POLL_S)
                     continue
                 now = time.time()
-                g = dataclasses.replace(group, group_id=f"0:{cursor}", prompt_index=cursor,
-                                        t_admit=now, t_done=now)
-                await bus.emit(encode(g), cursor=cursor, owner=owner)
+                await bus.emit_many([(c, encode(dataclasses.replace(
+                    group, group_id=f"0:{c}", prompt_index=c, t_admit=now, t_done=now)),
+                    f"emit:{c}") for c in got.cursors], owner)
 
         ready.set()
         await asyncio.gather(*(loop() for _ in range(concurrency)))
@@ -133,29 +137,33 @@ def generator_main(url: str, owner: str, group: RolloutGroup, window: int, concu
     _loop_run(go())
 
 
-def consumer_main(url: str, read_count: int, keep_acked: int, stop: Any, ready: Any,
-                  done: Any) -> None:
-    """The trainer's side without a model: read ``scored``, decode, retire, trim."""
+def consumer_main(run: str, url: str, read_count: int, keep_acked_s: float,
+                  lanes: tuple[bool, int],
+                  stop: Any, ready: Any, done: Any) -> None:
+    """The trainer's side without a model: read ``scored`` (every lane), decode, retire,
+    trim."""
     async def go() -> None:
-        bus = Bus.connect(url, RUN)
-        k = bus.keys
-        await bus.ensure_group(k.scored, TRAINERS_GROUP)
+        bus = Bus.connect(url, run, cluster=lanes[0], partitions=lanes[1])
+        for k in bus.lanes.keys:
+            await bus.ensure_group(k.scored, TRAINERS_GROUP)
         limits = Limits()
         last_trim = time.monotonic()
         ready.set()
         while not stop.is_set():
-            entries = await bus.read_group(k.scored, TRAINERS_GROUP, "bench-trainer",
+            entries = await bus.read_lanes("scored", TRAINERS_GROUP, "bench-trainer",
                                            count=read_count, block_ms=100)
             for e in entries:
                 if e.fields is not None:
                     decode_entry(e.fields, limits, expect=ScoredGroup)
-            if entries:
+            if entries:  # one read is one lane's
                 ids = [e.id for e in entries]
-                await bus.retire(k.scored, TRAINERS_GROUP, ids, "trained", op=f"b:{ids[0]}")
+                await bus.retire(entries[0].stream, TRAINERS_GROUP, ids, "trained",
+                                 op=f"b:{ids[0]}")
                 done.value += len(ids)
             if time.monotonic() - last_trim > TRIM_EVERY_S:
                 last_trim = time.monotonic()
-                await bus.trim_acked(k.scored, TRAINERS_GROUP, keep=keep_acked)
+                for k in bus.lanes.keys:
+                    await bus.trim_acked(k.scored, keep_ms=int(keep_acked_s * 1000))
         await bus.close()
 
     _loop_run(go())
@@ -233,38 +241,57 @@ def end_all(procs: list[Any], stop: Any) -> None:
             p.join(5)
 
 
-def run_sluice(a: argparse.Namespace, group: RolloutGroup, tmp: Path) -> Arm:
+def run_sluice(a: argparse.Namespace, group: RolloutGroup, tmp: Path,
+               cluster: EmbeddedCluster | None = None, partitions: int = 1,
+               run: str = RUN) -> Arm:
+    """The two-hop pipeline on a fresh redis-server, or on ``cluster`` in ``partitions``
+    lanes (a run name per arm: the cluster is shared by the arms)."""
+    with contextlib.ExitStack() as stack:
+        if cluster is None:
+            srv = stack.enter_context(redis_server(tmp / "redis", tcp=a.tcp,
+                                                   appendonly=a.appendonly))
+            assert srv.proc is not None
+            url, redis_pids = srv.url, [srv.proc.pid]
+        else:
+            url, redis_pids = cluster.url, [n.proc.pid for n in cluster.nodes if n.proc]
+        return _run_sluice(a, group, tmp, url, redis_pids, (cluster is not None, partitions),
+                           run)
+
+
+def _run_sluice(a: argparse.Namespace, group: RolloutGroup, tmp: Path, url: str,
+                redis_pids: list[int], lanes: tuple[bool, int], run: str) -> Arm:
     ctx = mp.get_context("spawn")
-    with redis_server(tmp / "redis", tcp=a.tcp, appendonly=a.appendonly) as srv:
-        assert srv.proc is not None
-        logs = tmp / "logs"
-        logs.mkdir(exist_ok=True)
-        cfg = scorer_config(tmp / "run.toml", url=srv.url, run=RUN, output_dir=tmp / "run",
-                            reward="benchmarks.rewards:trivial_reward",
-                            read_count=a.read_count, ledger=not a.no_ledger,
-                            # the scorers' janitor (trim of `rollouts`) runs every
-                            # claim_idle_ms / 2: every second, as the consumer's of `scored`
-                            bus={"keep_acked": a.keep_acked, "claim_idle_ms": 2000})
-        scorers = start_scorers(cfg, a.scorers, logs)
-        stop = ctx.Event()
-        procs: list[Any] = []
-        try:
-            wait_workers(srv.url, RUN, [f"scorer/bench-s{i}" for i in range(a.scorers)],
-                         scorers, logs)
-            done = ctx.RawValue("q", 0)
-            readies = [ctx.Event() for _ in range(a.generators + 1)]
-            procs = [ctx.Process(target=consumer_main, name="consumer", args=(
-                srv.url, a.read_count, a.keep_acked, stop, readies[0], done))]
-            procs += [ctx.Process(target=generator_main, name=f"generator-{i}", args=(
-                srv.url, f"bench-g{i}", group, a.window, a.gen_concurrency, stop,
-                readies[i + 1])) for i in range(a.generators)]
-            start_all(procs, readies)
-            roles = {"redis": [srv.proc.pid], "generators": [p.pid for p in procs[1:]],
-                     "scorers": [p.pid for p in scorers], "trainer": [procs[0].pid]}
-            return measure(a, "sluice", done, roles, logs)
-        finally:
-            end_all(procs, stop)
-            stop_processes(scorers)
+    logs = tmp / "logs"
+    logs.mkdir(exist_ok=True)
+    cfg = scorer_config(tmp / "run.toml", url=url, run=run, output_dir=tmp / "run",
+                        reward="benchmarks.rewards:trivial_reward",
+                        read_count=a.read_count, ledger=not a.no_ledger,
+                        # the scorers' janitor (trim of `rollouts`) runs every
+                        # claim_idle_ms / 2: every second, as the consumer's of `scored`
+                        bus={"keep_acked_s": a.keep_acked_s, "claim_idle_ms": 2000,
+                             "cluster": str(lanes[0]).lower(), "partitions": lanes[1]})
+    scorers = start_scorers(cfg, a.scorers, logs)
+    stop = ctx.Event()
+    procs: list[Any] = []
+    try:
+        wait_workers(url, run, [f"scorer/bench-s{i}" for i in range(a.scorers)], scorers,
+                     logs, cluster=lanes[0])
+        done = ctx.RawValue("q", 0)
+        readies = [ctx.Event() for _ in range(a.generators + 1)]
+        procs = [ctx.Process(target=consumer_main, name="consumer", args=(
+            run, url, a.read_count, a.keep_acked_s, lanes, stop, readies[0],
+            done))]
+        procs += [ctx.Process(target=generator_main, name=f"generator-{i}", args=(
+            run, url, f"bench-g{i}", group, a.window, a.gen_concurrency,
+            a.batch, lanes, stop, readies[i + 1])) for i in range(a.generators)]
+        start_all(procs, readies)
+        roles = {"redis": redis_pids, "generators": [p.pid for p in procs[1:]],
+                 "scorers": [p.pid for p in scorers], "trainer": [procs[0].pid]}
+        return measure(a, "sluice", done, roles, logs)
+    finally:
+        end_all(procs, stop)
+        stop_processes(scorers)
+
 
 
 def run_queue(a: argparse.Namespace, group: RolloutGroup) -> Arm:
@@ -338,8 +365,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="admission window; the baseline queue's maxsize")
     p.add_argument("--read-count", type=int, default=8, help="scoring.read_count; also "
                    "the consumer's read size")
-    p.add_argument("--keep-acked", type=int, default=100, help="bus.keep_acked: acknowledged "
-                   "entries kept per stream (1000 by default in sluice: 1 GB at 1 MB)")
+    p.add_argument("--keep-acked-s", type=float, default=60.0, help="bus.keep_acked_s: "
+                   "acknowledged entries kept this long for `sluice tail`")
+    p.add_argument("--batch", type=int, default=8, help="generation.batch_groups: cursors "
+                   "per admission call, EMITs per pipeline")
+    p.add_argument("--cluster-sizes", type=lambda s: [parse_size(x) for x in s.split(",")
+                                                      if x],
+                   default=[parse_size("48KB")], help="sizes also run on a 3-master Redis "
+                   "Cluster at --partitions 1 and 3 ('' = none)")
     p.add_argument("--generations", type=int, default=8, help="completions per group")
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--chars-per-token", type=int, default=4, help="completion text length")
@@ -356,11 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.sizes, a.seconds, a.warmup, a.step_repeats, a.step_groups = [2048], 1.0, 0.5, 1, 2
-        a.scorers = 1
+        a.scorers, a.cluster_sizes = 1, []
     print(f"bus benchmark: {os.cpu_count()} CPUs, Redis on "
           f"{'loopback TCP' if a.tcp else 'a unix socket'}, AOF "
           f"{'on' if a.appendonly else 'off'}, window {a.window}, read_count {a.read_count}, "
-          f"keep_acked {a.keep_acked}, "
+          f"keep_acked_s {a.keep_acked_s:g}, batch {a.batch}, "
           f"warm-up {a.warmup:g} s, timed {a.seconds:g} s per arm; CPU ms/group by process "
           "role in the columns on the right")
     for target in a.sizes:
@@ -373,8 +406,34 @@ def main(argv: list[str] | None = None) -> int:
         report(a, nbytes, target, group, sluice, base, trainer_step_s_per_group(
             group, groups=a.step_groups, repeats=a.step_repeats, threads=a.step_threads,
             max_tokens=a.step_max_tokens))
-    print(f"\n{P3_LINE}")
+    if a.cluster_sizes:
+        cluster_scaling(a)
     return 0
+
+
+def cluster_scaling(a: argparse.Namespace) -> None:
+    """The same pipeline on one 3-master Redis Cluster, the bus in 1 lane (every key on
+    one master) and in 3 (`bus.partitions`: one lane per master)."""
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-cluster-") as d, \
+            EmbeddedCluster(Path(d) / "cluster", masters=3) as cluster:
+        for target in a.cluster_sizes:
+            group = sized_group(target, generations=a.generations,
+                                prompt_tokens=a.prompt_tokens,
+                                chars_per_token=a.chars_per_token)
+            arms = {}
+            for p in (1, 3):
+                with tempfile.TemporaryDirectory(prefix="sluice-bench-bus-") as d2:
+                    arms[p] = run_sluice(a, group, Path(d2), cluster=cluster, partitions=p,
+                                         run=f"bench-p{p}-{target}")
+            print(f"\n== Redis Cluster, 3 masters, {size_label(target)} groups ==")
+            print(f"{'bus.partitions':<16}{'groups/s':>10}{'bus CPU ms/group':>18}"
+                  f"{'redis ms/group':>16}")
+            for p, arm in arms.items():
+                print(f"{p:<16}{arm.groups_s:>10.1f}{arm.cpu_total * 1e3:>18.3f}"
+                      f"{arm.cpu_per_group['redis'] * 1e3:>16.3f}")
+            print(f"P=3 / P=1 groups/s = {arms[3].groups_s / arms[1].groups_s:.2f}x "
+                  f"({os.cpu_count()} CPUs shared by every process: the cluster can only "
+                  "spread Redis's own work)")
 
 
 if __name__ == "__main__":

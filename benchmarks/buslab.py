@@ -153,12 +153,12 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) 
 
 
 def wait_workers(url: str, run: str, wids: list[str], procs: list[subprocess.Popen[bytes]],
-                 log_dir: Path, timeout_s: float = 60.0) -> None:
+                 log_dir: Path, timeout_s: float = 60.0, cluster: bool = False) -> None:
     """Until every worker id in ``wids`` has a heartbeat (a scorer's first beat comes
     after it joined its consumer groups); RuntimeError with the logs if a process
     exits or the time runs out."""
     async def seen() -> set[str]:
-        bus = Bus.connect(url, run)
+        bus = Bus.connect(url, run, cluster=cluster)
         try:
             return set(await bus.workers())
         finally:
