@@ -95,7 +95,8 @@ def connect(cfg: Config, role: str | None = None) -> Bus:
     `bus.partitions` is the run's (`check_partitions`; the trainer and generators record
     it before they write anything, so no admission precedes it)."""
     role = role or _process_role
-    if (cfg.redis_url, cfg.run.name, cfg.bus.partitions) not in _checked:
+    # the evaluator reads only `control`: it neither uses lanes nor may read `state`
+    if role != "evaluator" and (cfg.redis_url, cfg.run.name, cfg.bus.partitions) not in _checked:
         opts = redis_options(cfg, role)
         try:
             if cfg.bus.cluster:
@@ -110,7 +111,7 @@ def connect(cfg: Config, role: str | None = None) -> Bus:
         except TRANSIENT:
             pass  # Redis not up yet: the role's own retries wait for it; checked next call
         except NoPermissionError:
-            pass  # a role whose ACL user may not read state (the evaluator) uses no lane
+            pass  # an ACL user without `state` (a custom role): its own commands will tell
         except (ClusterModeError, PartitionsError) as e:
             raise ConfigError(str(e)) from e
     return Bus.connect(cfg.redis_url, cfg.run.name, reconnect_max_s=cfg.bus.reconnect_max_s,

@@ -178,10 +178,36 @@ class Pipeline:
                  0.2)
 
     def pending_ids(self, stream: str, group: str, consumer: str | None = None) -> set[bytes]:
-        """Ids of the entries pending in ``group`` (on ``consumer`` only, if given)."""
+        """Ids of the entries pending in ``group`` of stream ``stream`` (a short name:
+        ``rollouts``, ``scored``) in every lane, as ``lane-index:id`` (on ``consumer``
+        only, if given)."""
         by = {"consumername": consumer} if consumer else {}
-        return {e["message_id"] for e in self.r.xpending_range(
-            stream, group, min="-", max="+", count=100_000, **by)}
+        return {f"{i}:{e['message_id'].decode()}".encode()
+                for i, key in enumerate(self.lanes.streams(stream))
+                for e in self.r.xpending_range(key, group, min="-", max="+", count=100_000,
+                                               **by)}
+
+    def pending_on(self, stream: str, group: str, consumer: str) -> int:
+        """How many entries of ``stream`` (short name, every lane) ``consumer`` holds."""
+        n = 0
+        for key in self.lanes.streams(stream):
+            if not self.r.exists(key):
+                continue
+            for c in self.r.xinfo_consumers(key, group):
+                if c["name"].decode() == consumer:
+                    n += int(c["pending"])
+        return n
+
+    def lease_owners(self) -> dict[int, str]:
+        """Every lane's leases: global cursor -> owner."""
+        out = {}
+        for lane, k in enumerate(self.lanes.keys):
+            for c, v in self.r.hgetall(k.leases).items():
+                out[self.lanes.join(lane, int(c))] = v.decode().rsplit("|", 1)[0]
+        return out
+
+    def control_length(self) -> int:
+        return int(self.r.xlen(self.keys.control))
 
     def wait_up(self, names: dict[str, float], timeout_s: float = 120) -> None:
         """Wait until each role ``name`` started at ``names[name]`` (``time.time()``) has

@@ -7,6 +7,9 @@ must find no loss, no duplicate, no stale training and no counter drift.
 
 from __future__ import annotations
 
+import uuid
+from pathlib import Path
+
 import pytest
 
 from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
@@ -16,15 +19,20 @@ from tests.helpers import wait_for
 pytestmark = pytest.mark.fault
 
 
-def pending_on(p: Pipeline, stream: str, group: str, consumer: str) -> int:
-    for c in p.r.xinfo_consumers(stream, group):
-        if c["name"].decode() == consumer:
-            return int(c["pending"])
-    return 0
+@pytest.fixture(params=["redis", "cluster"])
+def pipeline(request: pytest.FixtureRequest, tmp_path: Path, tiny_model_dir: Path
+             ) -> Pipeline:
+    """Each kill test on its own redis-server, and on the session's 3-master Redis Cluster
+    with the bus in 3 lanes (`bus.partitions`)."""
+    if request.param == "redis":
+        return Pipeline(tmp_path, tiny_model_dir)
+    cluster = request.getfixturevalue("redis_cluster")
+    return Pipeline(tmp_path, tiny_model_dir, run=f"k{uuid.uuid4().hex[:8]}",
+                    cluster=cluster, partitions=3)
 
 
-def test_scorer_killed_between_read_and_ack_three_times(tmp_path, tiny_model_dir) -> None:
-    with Pipeline(tmp_path, tiny_model_dir) as p:
+def test_scorer_killed_between_read_and_ack_three_times(pipeline: Pipeline) -> None:
+    with pipeline as p:
         p.start("train", "trainer-0")
         p.start("generate", "g0")
         p.start("score", "s0")
@@ -35,11 +43,11 @@ def test_scorer_killed_between_read_and_ack_three_times(tmp_path, tiny_model_dir
         for i in range(3):  # a scorer whose reward hangs: it reads, never acks; kill it
             name = f"doomed{i}"
             p.start("score", name, "scoring.rewards=[{fn='tests.helpers:hang_reward'}]")
-            wait_for(lambda n=name: pending_on(p, p.keys.rollouts, SCORERS_GROUP, n) > 0, 60,
+            wait_for(lambda n=name: p.pending_on("rollouts", SCORERS_GROUP, n) > 0, 60,
                      lambda n=name: f"{n} to hold a group\n{p.logs()}")
             p.kill9(name)
             doomed.append(name)
-            orphans |= p.pending_ids(p.keys.rollouts, SCORERS_GROUP, name)
+            orphans |= p.pending_ids("rollouts", SCORERS_GROUP, name)
         assert orphans, "each killed scorer held a group"
         before = p.trained()
 
@@ -49,17 +57,17 @@ def test_scorer_killed_between_read_and_ack_three_times(tmp_path, tiny_model_dir
         # s0's heartbeat counting the reclaims), not for a number of trained groups.
         def still_held() -> dict[str, int]:
             return {n: c for n in doomed
-                    if (c := pending_on(p, p.keys.rollouts, SCORERS_GROUP, n))}
+                    if (c := p.pending_on("rollouts", SCORERS_GROUP, n))}
 
         def reclaimed() -> int:
             return int(p.worker("scorer/s0").get("reclaimed", 0))
 
         wait_for(lambda: not still_held()
-                 and not orphans & p.pending_ids(p.keys.rollouts, SCORERS_GROUP)
+                 and not orphans & p.pending_ids("rollouts", SCORERS_GROUP)
                  and reclaimed() > reclaimed_before, 120,
                  lambda: (f"the survivor s0 to reclaim and hand on the killed scorers' groups: "
                           f"pending on killed scorers {still_held()}, orphans still pending "
-                          f"{sorted(orphans & p.pending_ids(p.keys.rollouts, SCORERS_GROUP))}"
+                          f"{sorted(orphans & p.pending_ids('rollouts', SCORERS_GROUP))}"
                           f", s0 reclaimed {reclaimed()} (was {reclaimed_before})\n"
                           f"{p.logs()}"))
         p.wait_trained(before + 16)
@@ -68,24 +76,22 @@ def test_scorer_killed_between_read_and_ack_three_times(tmp_path, tiny_model_dir
         assert report.retired["dead"] == 0
 
 
-def test_generator_killed_mid_group_is_taken_over(tmp_path, tiny_model_dir) -> None:
-    with Pipeline(tmp_path, tiny_model_dir) as p:
+def test_generator_killed_mid_group_is_taken_over(pipeline: Pipeline) -> None:
+    with pipeline as p:
         p.start("train", "trainer-0")
         p.start("score", "s0")
         # long completions: the doomed generator spends seconds inside each batch
         p.start("generate", "doomed", "generation.max_new_tokens=300")
 
         def holds_lease() -> bool:
-            return any(v.startswith(b"generator/doomed|") for v in p.r.hvals(p.keys.leases))
+            return "generator/doomed" in p.lease_owners().values()
 
         wait_for(holds_lease, 120, lambda: f"the doomed generator to admit a group\n{p.logs()}")
         p.kill9("doomed")
-        orphans = {int(c) for c, v in p.r.hgetall(p.keys.leases).items()
-                   if v.startswith(b"generator/doomed|")}
+        orphans = {c for c, owner in p.lease_owners().items() if owner == "generator/doomed"}
         assert orphans, "killed mid-group: its admitted groups are still leased to it"
         p.start("generate", "g1")  # the replacement takes the expired leases over
-        wait_for(lambda: not any(v.startswith(b"generator/doomed|")
-                                 for v in p.r.hvals(p.keys.leases)), 60,
+        wait_for(lambda: "generator/doomed" not in p.lease_owners().values(), 60,
                  lambda: f"the orphaned leases to be taken over\n{p.logs()}")
         # the heartbeat is refreshed every heartbeat_s: it lags the leases in Redis
         wait_for(lambda: p.worker("generator/g1").get("taken_over", 0) >= len(orphans), 30,
@@ -99,30 +105,28 @@ def test_generator_killed_mid_group_is_taken_over(tmp_path, tiny_model_dir) -> N
         assert report.retired["dead"] == 0
 
 
-def test_trainer_killed_mid_step_resumes_and_never_goes_back(tmp_path, tiny_model_dir) -> None:
-    with Pipeline(tmp_path, tiny_model_dir) as p:
+def test_trainer_killed_mid_step_resumes_and_never_goes_back(pipeline: Pipeline) -> None:
+    with pipeline as p:
         p.start("train", "trainer-0")
         p.start("generate", "g0")
         p.start("score", "s0")
         p.wait_trained(40)  # past a checkpoint (save_steps = 5)
 
         def holding_a_step() -> bool:  # read a whole step's groups, not yet acked them
-            return pending_on(p, p.keys.scored, TRAINERS_GROUP, "trainer-0") >= GROUPS_PER_STEP
+            return p.pending_on("scored", TRAINERS_GROUP, "trainer-0") >= GROUPS_PER_STEP
 
         wait_for(holding_a_step, 60, lambda: f"the trainer to hold a step\n{p.logs()}", 0.005)
         p.kill9("trainer-0")
-        held = [e["message_id"] for e in p.r.xpending_range(
-            p.keys.scored, TRAINERS_GROUP, min="-", max="+", count=100, consumername="trainer-0")]
+        held = p.pending_ids("scored", TRAINERS_GROUP, "trainer-0")
         version_before = p.state()["version"]
-        announced_before = p.r.xlen(p.keys.control)
+        announced_before = p.control_length()
         assert held
         p.start("train", "trainer-0")  # same name: it drains its own pending entries
         p.wait_trained(p.trained() + 16)
         assert p.state()["version"] > version_before  # never backwards; re-announced
-        assert p.r.xlen(p.keys.control) > announced_before
-        still = {e["message_id"] for e in p.r.xpending_range(
-            p.keys.scored, TRAINERS_GROUP, min="-", max="+", count=100)}
-        assert not still & set(held), "the restarted trainer drained what it held"
+        assert p.control_length() > announced_before
+        still = p.pending_ids("scored", TRAINERS_GROUP)
+        assert not still & held, "the restarted trainer drained what it held"
         assert "resumed from step" in p.log("trainer-0")
         p.stop_all()
         p.assert_clean(min_trained=56)

@@ -50,7 +50,7 @@ def stop_job(p: Pipeline, job: subprocess.Popen[bytes]) -> None:
 
 
 def pending_on_trainer(p: Pipeline) -> int:
-    return len(p.pending_ids(p.keys.scored, TRAINERS_GROUP, "trainer-0"))
+    return len(p.pending_ids("scored", TRAINERS_GROUP, "trainer-0"))
 
 
 def test_rank_killed_mid_step_restarts_the_job_which_drains_and_stays_clean(

@@ -35,7 +35,7 @@ def number(pattern: str, out: str) -> float:
 
 
 def test_bus_benchmark_quick_prints_both_paths_and_the_targets() -> None:
-    out = run_benchmark("benchmarks.bus", "--quick")
+    out = run_benchmark("benchmarks.bus", "--quick", "--cluster-sizes", "2KB")
     assert "== 2 KB groups" in out
     for row in (r"sluice: 1 gen -> 1 scorer -> trainer", r"mp\.Queue: 1 producer -> consumer"):
         assert number(row + r"\s+(\d+\.\d+)", out) > 0, out  # groups/s
@@ -44,7 +44,11 @@ def test_bus_benchmark_quick_prints_both_paths_and_the_targets() -> None:
     assert math.isfinite(ratio) and ratio > 0
     share = number(r"bus CPU per group = (\S+)% of it \(target <= 2%: (?:met|not met)\)", out)
     assert math.isfinite(share) and share > 0
-    assert "P=3 cluster: not available (bus.partitions not implemented)" in out
+    # the same pipeline on a 3-master Redis Cluster, the bus in 1 lane and in 3
+    assert "== Redis Cluster, 3 masters, 2 KB groups ==" in out
+    for p in (1, 3):
+        assert number(rf"\n{p}\s+(\d+\.\d+)", out) > 0, out
+    assert number(r"P=3 / P=1 groups/s = (\S+)x", out) > 0
 
 
 def test_scorer_scaleout_quick_prints_the_scaling() -> None:

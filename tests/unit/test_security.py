@@ -131,9 +131,10 @@ def test_template_renders_one_user_per_role_with_hashed_passwords() -> None:
         assert passwords[role] not in line
     assert "$" not in text and "#" not in text.replace(" #", " ")  # nothing left unrendered
     keys = set(re.findall(r"~(sluice:\{[^}]*\}:[\w:*]+)", text))
-    assert keys == {f"sluice:{{demo}}:{k}" for k in
-                    ("rollouts", "scored", "control", "dlq", "state", "workers", "leases",
-                     "trainer", "op:generator:*", "op:scorer:*", "op:trainer:*", "*")}
+    names = ("rollouts", "scored", "control", "dlq", "state", "workers", "leases", "trainer",
+             "op:generator:*", "op:scorer:*", "op:trainer:*", "*")
+    # the run's keys, and each pattern again for the run's lanes (docs/scaling.md)
+    assert keys == {f"sluice:{{{tag}}}:{k}" for k in names for tag in ("demo", "demo~*")}
 
 
 def test_each_writing_role_is_granted_only_its_own_op_namespace() -> None:
