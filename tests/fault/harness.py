@@ -209,6 +209,35 @@ class Pipeline:
     def control_length(self) -> int:
         return int(self.r.xlen(self.keys.control))
 
+    def length(self, stream: str) -> int:
+        """XLEN of ``stream`` (short name) summed over the lanes."""
+        return sum(int(self.r.xlen(k)) for k in self.lanes.streams(stream))
+
+    def group(self, stream: str, group: str) -> dict[str, Any]:
+        """``group`` of ``stream`` over every lane: pending summed, and whether any lane
+        has entries never delivered to it."""
+        pending, undelivered = 0, False
+        for key in self.lanes.streams(stream):
+            if not self.r.exists(key):
+                continue
+            g = next(g for g in self.r.xinfo_groups(key) if g["name"].decode() == group)
+            pending += int(g["pending"])
+            undelivered |= g["last-delivered-id"] != \
+                self.r.xinfo_stream(key)["last-generated-id"]
+        return {"pending": pending, "undelivered": undelivered}
+
+    def consumers(self, stream: str, group: str) -> set[str]:
+        """Names of ``group``'s consumers in any lane of ``stream``."""
+        return {c["name"].decode() for key in self.lanes.streams(stream)
+                if self.r.exists(key) for c in self.r.xinfo_consumers(key, group)}
+
+    def memory_bytes(self) -> int:
+        """Redis memory in use (every master's, on a cluster)."""
+        if self.redis is not None:
+            return int(self.r.info("memory")["used_memory"])
+        return sum(int(self.r.info("memory", target_nodes=node)["used_memory"])
+                   for node in self.r.get_primaries())
+
     def wait_up(self, names: dict[str, float], timeout_s: float = 120) -> None:
         """Wait until each role ``name`` started at ``names[name]`` (``time.time()``) has
         written a heartbeat of that incarnation: it is past its imports and handles

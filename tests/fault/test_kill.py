@@ -7,9 +7,6 @@ must find no loss, no duplicate, no stale training and no counter drift.
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
-
 import pytest
 
 from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
@@ -17,18 +14,6 @@ from tests.fault.harness import GROUPS_PER_STEP, Pipeline
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.fault
-
-
-@pytest.fixture(params=["redis", "cluster"])
-def pipeline(request: pytest.FixtureRequest, tmp_path: Path, tiny_model_dir: Path
-             ) -> Pipeline:
-    """Each kill test on its own redis-server, and on the session's 3-master Redis Cluster
-    with the bus in 3 lanes (`bus.partitions`)."""
-    if request.param == "redis":
-        return Pipeline(tmp_path, tiny_model_dir)
-    cluster = request.getfixturevalue("redis_cluster")
-    return Pipeline(tmp_path, tiny_model_dir, run=f"k{uuid.uuid4().hex[:8]}",
-                    cluster=cluster, partitions=3)
 
 
 def test_scorer_killed_between_read_and_ack_three_times(pipeline: Pipeline) -> None:

@@ -84,10 +84,10 @@ def test_redis_restarted_then_down_ten_seconds(tmp_path, tiny_model_dir) -> None
         p.assert_clean(min_trained=48)
 
 
-def test_trainer_stalled_generators_stop_at_the_window_memory_flat(tmp_path,
-                                                                   tiny_model_dir) -> None:
+def test_trainer_stalled_generators_stop_at_the_window_memory_flat(pipeline: Pipeline
+                                                                   ) -> None:
     window = 2 * GROUPS_PER_STEP  # (max_staleness + 1) * groups_per_step
-    with Pipeline(tmp_path, tiny_model_dir) as p:
+    with pipeline as p:
         start_all(p)
         p.wait_trained(16)
         p.procs["trainer-0"].send_signal(19)  # SIGSTOP: alive, holding its work, silent
@@ -97,22 +97,19 @@ def test_trainer_stalled_generators_stop_at_the_window_memory_flat(tmp_path,
             def sample() -> dict[str, int]:
                 st = p.state()
                 return {"cursor": st["cursor"], "in_flight": st["cursor"] - st["retired"],
-                        "rollouts": p.r.xlen(p.keys.rollouts),
-                        "scored": p.r.xlen(p.keys.scored),
-                        "memory": int(p.r.info("memory")["used_memory"])}
+                        "rollouts": p.length("rollouts"), "scored": p.length("scored"),
+                        "memory": p.memory_bytes()}
 
             def settled() -> dict[str, Any]:
                 """Where the stalled pipeline must come to rest, whatever the machine's
                 speed: the window full, no group being generated, every rollout scored and
                 handed on (or filtered), and the generator reporting its gate closed."""
                 st = p.state()
-                group = next(g for g in p.r.xinfo_groups(p.keys.rollouts)
-                             if g["name"].decode() == SCORERS_GROUP)
+                group = p.group("rollouts", SCORERS_GROUP)
                 return {"in_flight": st["cursor"] - st["retired"],
                         "generating": st.get("generating", 0),
-                        "leases": p.r.hlen(p.keys.leases), "pending": group["pending"],
-                        "undelivered": group["last-delivered-id"] !=
-                        p.r.xinfo_stream(p.keys.rollouts)["last-generated-id"],
+                        "leases": len(p.lease_owners()), "pending": group["pending"],
+                        "undelivered": group["undelivered"],
                         "gate_closed": p.worker("generator/g0").get("gate_closed")}
 
             at_rest = {"in_flight": window, "generating": 0, "leases": 0, "pending": 0,
@@ -140,8 +137,8 @@ def test_trainer_stalled_generators_stop_at_the_window_memory_flat(tmp_path,
         p.assert_clean(min_trained=32)
 
 
-def test_scorers_scaled_2_4_1_with_sigterm(tmp_path, tiny_model_dir) -> None:
-    with Pipeline(tmp_path, tiny_model_dir) as p:
+def test_scorers_scaled_2_4_1_with_sigterm(pipeline: Pipeline) -> None:
+    with pipeline as p:
         start_all(p)
         p.wait_trained(8)
         p.start("score", "s2")
@@ -149,8 +146,7 @@ def test_scorers_scaled_2_4_1_with_sigterm(tmp_path, tiny_model_dir) -> None:
         p.faults += 2
 
         def names() -> set[str]:
-            return {c["name"].decode()
-                    for c in p.r.xinfo_consumers(p.keys.rollouts, SCORERS_GROUP)}
+            return p.consumers("rollouts", SCORERS_GROUP)
 
         wait_for(lambda: {"s0", "s1", "s2", "s3"} <= names(), 60, f"4 scorers\n{p.logs()}")
         p.wait_trained(p.trained() + 16)
