@@ -33,7 +33,7 @@ from typing import TypeVar
 import numpy as np
 
 from pipeline.bus import control
-from pipeline.bus.client import TRANSIENT, Bus, worker_id
+from pipeline.bus.client import Bus, transient, worker_id
 from pipeline.bus.codec import encode
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import Rollout, RolloutGroup, RunFinished, WeightsPublished
@@ -231,7 +231,9 @@ class Generator:
                 continue
             try:
                 lost = await bus.renew(self.wid, held, self.lease_ms)
-            except TRANSIENT as e:
+            except Exception as e:  # Redis away: renew at the next tick
+                if not transient(e):
+                    raise
                 log.debug("lease renewal failed: %s", e)
                 continue
             for c in lost:

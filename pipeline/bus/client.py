@@ -43,7 +43,17 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError, BusyLoadingError, MovedError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    ClusterDownError,
+    MasterDownError,
+    MovedError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -60,6 +70,16 @@ T = TypeVar("T")
 
 # Errors after which the connection is retried with backoff rather than crashing.
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, OSError)
+# ... and on a Redis Cluster, the replies of a cluster that is failing over or restarting
+CLUSTER_TRANSIENT = (ClusterDownError, TryAgainError, MasterDownError, SlotNotCoveredError)
+
+
+def transient(e: BaseException) -> bool:
+    """Whether waiting can fix ``e``: a lost connection, a loading server, a cluster that
+    is down or resharding, or (redis-py's words) a cluster that "cannot be connected"
+    because every node is unreachable."""
+    return isinstance(e, TRANSIENT + CLUSTER_TRANSIENT) or (
+        isinstance(e, RedisClusterException) and "cannot be connected" in str(e))
 
 
 @dataclass
@@ -223,14 +243,15 @@ class Bus:
                 result = await op()
             except AuthenticationError:
                 raise
-            except ResponseError as e:
-                if isinstance(e, MovedError) or str(e).startswith("MOVED"):
+            except Exception as e:
+                if isinstance(e, MovedError) or (isinstance(e, ResponseError)
+                                                 and str(e).startswith("MOVED")):
                     raise ClusterModeError(
                         f"the Redis at the bus URL is a Redis Cluster node ({e}); set "
                         "bus.cluster = true so the client routes keys to their masters"
                     ) from e
-                raise
-            except TRANSIENT as e:
+                if not transient(e):
+                    raise
                 if self.healthy:
                     log.warning("redis unavailable during %s: %s; retrying", what, e)
                 self.healthy = False

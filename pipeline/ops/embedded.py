@@ -145,12 +145,12 @@ class EmbeddedCluster:
     tests and benchmarks that run the bus partitioned. ``url`` names the first node; a
     cluster client discovers the rest."""
 
-    def __init__(self, data_dir: str | Path, masters: int = 3):
+    def __init__(self, data_dir: str | Path, masters: int = 3, appendonly: bool = False):
         if masters < 3:
             raise ValueError("redis-cli --cluster create needs at least 3 masters")
         self.data_dir = Path(data_dir).resolve()
         self.nodes = [EmbeddedRedis(self.data_dir / f"node{i}", port=free_port(),
-                                    appendonly=False,
+                                    appendonly=appendonly,
                                     # the cluster bus port is set, not port + 10000
                                     # (which overflows above 55535)
                                     extra_args=["--cluster-enabled", "yes",
@@ -159,6 +159,7 @@ class EmbeddedCluster:
                                                 str(self.data_dir / f"node{i}" / "nodes.conf"),
                                                 "--cluster-node-timeout", "5000"])
                       for i in range(masters)]
+        self.created = False
 
     @property
     def url(self) -> str:
@@ -169,6 +170,14 @@ class EmbeddedCluster:
         return [int(n.port or 0) for n in self.nodes]
 
     def start(self, timeout_s: float = 30.0) -> EmbeddedCluster:
+        """Start the nodes; the first time, create the cluster. A restarted node reads its
+        nodes.conf (and with ``appendonly`` its data) and rejoins; waits for
+        ``cluster_state:ok`` on every node."""
+        if self.created:
+            for node in self.nodes:
+                node.start()
+            self._wait_ok(timeout_s)
+            return self
         try:
             for node in self.nodes:
                 node.start()
@@ -177,15 +186,19 @@ class EmbeddedCluster:
                             *[f"127.0.0.1:{p}" for p in self.ports],
                             "--cluster-replicas", "0", "--cluster-yes"],
                            check=True, capture_output=True, timeout=timeout_s)
-            deadline = time.monotonic() + timeout_s
-            while not all(self._state_ok(p) for p in self.ports):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"Redis Cluster on {self.ports} not ok in {timeout_s} s")
-                time.sleep(0.1)
+            self.created = True
+            self._wait_ok(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wait_ok(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(self._state_ok(p) for p in self.ports):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Redis Cluster on {self.ports} not ok in {timeout_s} s")
+            time.sleep(0.1)
 
     @staticmethod
     def _state_ok(port: int) -> bool:

@@ -139,6 +139,30 @@ class Pipeline:
         assert not running, f"still running after stop_all: {running}"
         return codes
 
+    def stop_redis(self) -> None:
+        """SHUTDOWN the run's Redis (every node of its cluster): AOF flushed, nothing
+        acknowledged lost. A cluster must be the pipeline's own, with AOF."""
+        if self.redis is not None:
+            self.redis.stop()
+        else:
+            assert self.cluster is not None
+            self.cluster.stop()
+
+    def start_redis(self) -> None:
+        """Start it again (a cluster's nodes rejoin from nodes.conf) and reconnect."""
+        if self.redis is not None:
+            self.redis.start()
+            return
+        assert self.cluster is not None
+        self.cluster.start()
+        self.r.close()
+        self.r = redis.RedisCluster.from_url(self.url, socket_timeout=10)
+
+    def group_names(self, stream: str) -> set[bytes]:
+        """Consumer groups of ``stream`` (short name) in any lane."""
+        return {g["name"] for key in self.lanes.streams(stream) if self.r.exists(key)
+                for g in self.r.xinfo_groups(key)}
+
     def log(self, name: str) -> str:
         path = self.tmp / "logs" / f"{name}.log"
         return f"--- {name}\n" + (path.read_text()[-3000:] if path.exists() else "(no log)")
