@@ -79,7 +79,22 @@ def transient(e: BaseException) -> bool:
     is down or resharding, or (redis-py's words) a cluster that "cannot be connected"
     because every node is unreachable."""
     return isinstance(e, TRANSIENT + CLUSTER_TRANSIENT) or (
-        isinstance(e, RedisClusterException) and "cannot be connected" in str(e))
+        isinstance(e, RedisClusterException) and "cannot be connected" in str(e)) or (
+        isinstance(e, AttributeError) and _raised_in_redis_connection(e))
+
+
+def _raised_in_redis_connection(e: BaseException) -> bool:
+    """redis-py 8's cluster client can use a node connection that a failed reconnect left
+    without a socket (``'NoneType' object has no attribute 'writelines'`` in
+    `redis.asyncio.connection`, seen when every node was down); it is the same lost
+    connection as a ConnectionError and is retried like one. Only when the error comes
+    from redis-py's connection module, so a bug of ours is never swallowed."""
+    tb = e.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and last.tb_frame.f_code.co_filename.replace("\\", "/").endswith(
+        "redis/asyncio/connection.py")
 
 
 @dataclass
