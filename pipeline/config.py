@@ -31,6 +31,9 @@ class ConfigError(ValueError):
     """A config file, key or value is wrong; the message names the key."""
 
 
+OPTIONAL_IMPORT_PATH = r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True,
                               use_attribute_docstrings=True)
@@ -155,7 +158,7 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["copy", "reverse", "add", "jsonl", "hf", "reasoning_gym"] = "copy"
+    name: Literal["copy", "reverse", "add", "guess", "jsonl", "hf", "reasoning_gym"] = "copy"
     """Built-in task (copy, reverse, add), `jsonl` (a JSONL file: `path`), `hf` (any
     dataset `datasets` loads: `dataset`) or `reasoning_gym` (`dataset` names one of
     reasoning-gym's procedural datasets, generated offline; its verifier is the reward)."""
@@ -293,6 +296,39 @@ class GenerationConfig(_Section):
     device: str = Field("cpu", pattern=DEVICE_PATTERN)
     """Device of the in-process (`transformers`) engine and of the evaluator: `auto`,
     `cpu`, `cuda` or `cuda:N`. Asking for CUDA without it fails at start."""
+    filter_prompt: str = Field("", pattern=OPTIONAL_IMPORT_PATH)
+    """Hook `package.module:function`, called with each admitted prompt's dict; a false
+    result skips the prompt (its group retires `filtered`, counted as `skipped_prompts`).
+    Empty: every prompt is generated."""
+    rollout: str = Field("", pattern=OPTIONAL_IMPORT_PATH)
+    """Hook `package.module:function` that produces a group's rollouts itself (TRL's
+    rollout_func): `async def f(prompt, ctx) -> list[Episode]`, where `ctx`
+    (`workers.episodes.RolloutContext`) samples exact tokens, logprobs and versions from
+    the engine. Empty: single-turn completions, or episodes of `[environment]`."""
+
+
+class EnvironmentConfig(_Section):
+    name: str = Field("", pattern=OPTIONAL_IMPORT_PATH)
+    """A multi-turn environment, `package.module:Factory` (a class or function), built
+    with `kwargs` once per episode; its async `reset(prompt)` / `step(action)` answer the
+    model's turns (`workers.environments`). Empty: single-turn rollouts."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment's factory."""
+    max_turns: int = Field(4, ge=1, le=1000)
+    """Model turns per episode; an episode still running after them ends `length`."""
+    max_episode_tokens: int = Field(256, ge=2)
+    """Tokens after the prompt per episode (the model's and the environment's); the
+    model's turns are cut to fit, and what passes it is handled by `overflow`."""
+    step_timeout_s: float = Field(30.0, gt=0)
+    """Per call of the environment (construction, `reset`, each `step`); one that takes
+    longer retires its group `dead` with the reason."""
+    observation_role: Literal["user", "tool"] = "user"
+    """Chat role a text observation is rendered as (with the tokenizer's chat template;
+    an observation given as messages keeps its own roles)."""
+    overflow: Literal["truncate", "dead"] = "truncate"
+    """An observation that would take an episode past `max_episode_tokens`: `truncate`
+    ends the episode there (`length`, like a completion at `max_new_tokens`); `dead`
+    retires the whole group with the reason."""
 
 
 class RewardSpec(_Section):
@@ -325,6 +361,20 @@ class ScoringConfig(_Section):
     (on failure, one call per group), and one probes it at start."""
     read_count: int = Field(8, ge=1)
     """Groups a scorer reads per XREADGROUP."""
+    advantages: str = Field("", pattern=OPTIONAL_IMPORT_PATH)
+    """Hook `package.module:function` replacing group advantages: called per group as
+    `f(rewards=[...], completion_ids=[...], mask=[...], **columns)`, it returns one
+    advantage per rollout, or per token (a list per rollout). Empty: GRPO's
+    (`scale_rewards`); `pipeline.advantages:rloo` is RLOO."""
+    teacher: str = ""
+    """On-policy distillation: a teacher model (hub id or folder, same vocabulary as the
+    policy). The scorer adds `teacher_coef` x (teacher - behaviour logprob) of every
+    sampled token to its advantage (per-token advantages). Empty: off."""
+    teacher_urls: list[str] = Field(default_factory=list)
+    """vLLM servers serving `teacher` (prompt logprobs); empty: the scorer runs the teacher
+    in-process."""
+    teacher_coef: float = Field(1.0, gt=0)
+    """Weight of the teacher's per-token term in the advantage."""
 
 
 class TrainerConfig(_Section):
@@ -532,6 +582,7 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -544,12 +595,18 @@ class Config(_Section):
         if self.generation.engine == "vllm" and not v.urls and not v.launch:
             raise ValueError("generation.vllm.urls: the vllm engine needs server URLs, or "
                              "generation.vllm.launch > 0 for `sluice up` to start servers")
-        mbt = self.trainer.micro_batch_tokens
-        if 0 < mbt <= self.generation.max_new_tokens:
+        if self.environment.name and "rewards" not in self.scoring.model_fields_set:
+            # an environment's own rewards, unless the run names its functions
+            self.scoring.rewards = [RewardSpec(fn="workers.rewards:env_reward")]
+        if self.environment.name and self.generation.rollout:
+            raise ValueError("generation.rollout: a rollout hook produces the episodes itself; "
+                             "it cannot be combined with environment.name")
+        mbt, longest = self.trainer.micro_batch_tokens, self.max_rollout_tokens
+        if 0 < mbt <= longest:
             raise ValueError(f"trainer.micro_batch_tokens: {mbt} cannot hold one prompt and "
-                             f"a {self.generation.max_new_tokens}-token completion; use 0 "
-                             "(one micro-batch per step) or a budget above "
-                             "generation.max_new_tokens")
+                             f"a {longest}-token rollout; use 0 (one micro-batch per step) or "
+                             "a budget above generation.max_new_tokens (or "
+                             "environment.max_episode_tokens)")
         if self.eval_engine == "vllm" and not self.eval.vllm_urls and not (
                 self.generation.engine == "vllm" and v.launch > 0):
             raise ValueError("eval.vllm_urls: the evaluator's vllm engine needs servers of its "
@@ -571,6 +628,18 @@ class Config(_Section):
             raise ValueError("generation.vllm.weight_transfer: nccl carries full weights; "
                              "LoRA runs use the file store")
         return self
+
+    @property
+    def multi_turn(self) -> bool:
+        """Rollouts are episodes (an environment or a rollout hook), not one completion."""
+        return bool(self.environment.name or self.generation.rollout)
+
+    @property
+    def max_rollout_tokens(self) -> int:
+        """The longest rollout the trainer can see: ``generation.max_new_tokens``, or an
+        episode's ``environment.max_episode_tokens`` (when longer) with multi-turn rollouts."""
+        g = self.generation.max_new_tokens
+        return max(g, self.environment.max_episode_tokens) if self.multi_turn else g
 
     @property
     def eval_engine(self) -> Literal["transformers", "vllm"]:

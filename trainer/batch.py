@@ -34,7 +34,7 @@ class Batch:
     completion_ids: torch.Tensor  # int64 [B, T]
     behaviour_logps: torch.Tensor  # float32 [B, T]
     mask: torch.Tensor  # float32 [B, T]
-    advantages: torch.Tensor  # float32 [B]
+    advantages: torch.Tensor  # float32 [B], or [B, T] when a scorer gave per-token ones
     versions: torch.Tensor  # int64 [B, T]
     candidates: torch.Tensor | None = None  # int64 [B, T, K], -1 = padding / unknown
     candidates_missing: int = 0  # rows without candidate sets while others have them
@@ -77,13 +77,18 @@ class Batch:
             missing = int((cands < 0).all(dim=-1).all(dim=-1).sum())
         return Batch(self.input_ids[i, :seq], self.attention_mask[i, :seq],
                      self.completion_start[i], self.completion_ids[i, :comp],
-                     self.behaviour_logps[i, :comp], self.mask[i, :comp], self.advantages[i],
+                     self.behaviour_logps[i, :comp], self.mask[i, :comp],
+                     self.advantages[i] if self.advantages.dim() == 1
+                     else self.advantages[i, :comp],
                      self.versions[i, :comp], cands, missing if cands is not None else 0,
                      self.groups[i])
 
 
 def build_batch(groups: list[ScoredGroup], pad_id: int) -> Batch:
-    rows = [(sg.group.prompt_ids, r, float(sg.advantages[i]))
+    """The padded tensors of ``groups``' rollouts, one row each, in order. Advantages are
+    ``[B]``, or ``[B, T]`` when any group carries per-token advantages (the others' row
+    advantage is then repeated along their tokens)."""
+    rows = [(sg.group.prompt_ids, r, sg.advantage_of(i))
             for sg in groups for i, r in enumerate(sg.group.rollouts)]
     if not rows:
         raise ValueError("empty batch")
@@ -97,7 +102,8 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> Batch:
     blp = np.zeros((b, comp_len), dtype=np.float32)
     mask = np.zeros((b, comp_len), dtype=np.float32)
     ver = np.zeros((b, comp_len), dtype=np.int64)
-    adv = np.zeros(b, dtype=np.float32)
+    per_token = any(sg.token_advantages is not None for sg in groups)
+    adv = np.zeros((b, comp_len) if per_token else b, dtype=np.float32)
     for i, (p, r, a) in enumerate(rows):
         n_p, n_c = len(p), len(r.completion_ids)
         input_ids[i, :n_p] = p
@@ -108,7 +114,10 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> Batch:
         blp[i, :n_c] = r.logprobs
         mask[i, :n_c] = r.mask
         ver[i, :n_c] = r.versions
-        adv[i] = a
+        if per_token:
+            adv[i, :n_c] = a  # an array of n_c values, or one value repeated
+        else:
+            adv[i] = a
     cands, missing = _candidates([r for _, r, _ in rows], comp_len)
     group = torch.tensor([g for g, sg in enumerate(groups) for _ in sg.group.rollouts])
     return Batch(*(torch.from_numpy(x) for x in (input_ids, attn, start, comp, blp, mask)),

@@ -226,7 +226,8 @@ def grpo_loss(
     """Scalar loss (differentiable in ``logps`` only) and float metrics.
 
     Shapes: ``logps``/``old_logps``/``behaviour_logps``/``ref_logps``/``mask`` ``[B, T]``,
-    ``advantages`` ``[B]``. ``mask`` is bool or 0/1; 0 = not trained (padding, inserted
+    ``advantages`` ``[B]`` (one per row) or ``[B, T]`` (per token: on-policy distillation,
+    a per-token advantage hook; read at mask-1 tokens only). ``mask`` is bool or 0/1; 0 = not trained (padding, inserted
     context). Metrics: ``clip_ratio/{low,high,region}_mean``, ``is_ratio/{min,mean,max}``
     (raw token ratios ``exp(old - behaviour)``; NaN when no token is masked in),
     ``logprob_diff/mean_abs`` and ``kl`` (0.0 when beta is 0), all over masked tokens.
@@ -241,8 +242,9 @@ def grpo_loss(
     ):
         if t is not None and t.shape != shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logps shape {tuple(shape)}")
-    if advantages.shape != shape[:1]:
-        raise ValueError(f"advantages must be [B]={shape[0]}, got {tuple(advantages.shape)}")
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(f"advantages must be [B]={shape[0]} or [B, T]={tuple(shape)}, got "
+                         f"{tuple(advantages.shape)}")
     if cfg.beta > 0 and ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps")
     if num_items_in_batch is not None and num_items_in_batch <= 0:
@@ -255,7 +257,8 @@ def grpo_loss(
     lp = torch.where(m, logps.to(dt), 0.0)
     old = lp.detach() if old_logps is None else torch.where(m, old_logps.detach().to(dt), 0.0)
     beh = torch.where(m, behaviour_logps.detach().to(dt), 0.0)  # may hold NaN (unknown)
-    adv = advantages.detach().to(dt).unsqueeze(1)
+    adv = advantages.detach().to(dt)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(m, adv, 0.0)  # [B, 1] | [B, T]
 
     log_ratio = lp - reference_logps(old, beh, cfg.decoupled_ppo)
     if cfg.importance_sampling_level == "sequence":  # GSPO: [B, 1]
@@ -300,6 +303,8 @@ def grpo_loss(
         def mmean(x: Tensor) -> float:
             return float((x.to(dt) * mf).sum() / n_tokens)
 
+        if coef_1.shape[-1] == 1 and adv.shape[-1] > 1:  # GSPO with per-token advantages:
+            adv = (adv * mf).sum(-1, keepdim=True)  # a row's sign is its advantages' sum's
         if cfg.loss_type == "cispo":  # TRL's cispo_clip_ratio: capped weights with A > 0
             high = (coef_1 > cfg.eps_high) & (adv > 0)
             low = torch.zeros_like(high)

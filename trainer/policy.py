@@ -138,7 +138,10 @@ def gradient_rows(batch: Batch, loss: LossConfig) -> torch.Tensor:
     Per-step metrics (entropy, clip and IS ratios) are then over the forwarded rows."""
     if loss.beta > 0:
         return torch.arange(batch.num_rows)
-    return torch.nonzero(batch.advantages != 0).flatten()
+    nonzero = batch.advantages != 0
+    if nonzero.dim() == 2:  # per-token advantages: a row with any non-zero one (trained)
+        nonzero = (nonzero & (batch.mask > 0)).any(dim=1)
+    return torch.nonzero(nonzero).flatten()
 
 
 def lean_logps(model: torch.nn.Module, mb: Batch, st: StepSettings,

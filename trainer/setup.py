@@ -106,7 +106,7 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
             loss_type=tc.loss_type, epsilon=tc.epsilon, epsilon_high=tc.epsilon_high,
             is_mode=tc.is_mode, is_clip_min=tc.is_clip_min, is_clip_max=tc.is_clip_max,
             beta=tc.beta, kl_bias_correction=tc.kl_bias_correction,
-            max_completion_length=cfg.generation.max_new_tokens,
+            max_completion_length=cfg.max_rollout_tokens,
             importance_sampling_level=tc.importance_sampling_level,
             decoupled_ppo=tc.decoupled_ppo, geo_mask=tc.geo_mask),
         temperature=temperature, num_iterations=tc.num_iterations,

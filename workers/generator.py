@@ -28,7 +28,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -45,6 +45,9 @@ from pipeline.runtime import Heartbeat, connect, join, set_threads
 from pipeline.transports import WeightError, make_transport
 from workers.engines.base import Completion, Engine, EngineError, SamplingParams
 from workers.engines.transformers import TransformersEngine
+from workers.environments.base import EpisodeFailure
+from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
+from workers.hooks import load_filter, load_rollout
 from workers.prompts import render_prompt
 from workers.tasks import prompt_for_cursor, task_from_config
 
@@ -53,16 +56,21 @@ T = TypeVar("T")
 STOP_GRACE_S = 10.0  # on SIGTERM, how long admitted batches may wait for a usable server
 
 
-def to_rollout(c: Completion, tokenizer: object) -> Rollout:
+def to_rollout(c: Completion | Episode, tokenizer: object) -> Rollout:
+    """The wire form of a completion or an episode; its text is the whole decoded
+    sequence (an episode's: the transcript, environment turns included)."""
+    e = c if isinstance(c, Episode) else Episode.of(c)
     return Rollout(
-        completion_ids=c.token_ids.astype(np.int32),
-        logprobs=c.logprobs.astype(np.float32),
-        versions=c.versions.astype(np.int32),
-        mask=np.ones(len(c.token_ids), dtype=np.uint8),
-        finish_reason=c.finish_reason,
-        text=tokenizer.decode(c.token_ids, skip_special_tokens=True),  # type: ignore[attr-defined]
-        candidate_ids=c.candidate_ids,
-        candidate_counts=c.candidate_counts,
+        completion_ids=e.token_ids.astype(np.int32),
+        logprobs=e.logprobs.astype(np.float32),
+        versions=e.versions.astype(np.int32),
+        mask=e.mask.astype(np.uint8),
+        finish_reason=e.finish_reason,
+        text=tokenizer.decode(e.token_ids, skip_special_tokens=True),  # type: ignore[attr-defined]
+        candidate_ids=e.candidate_ids,
+        candidate_counts=e.candidate_counts,
+        messages=e.messages,
+        env_reward=e.env_reward,
     )
 
 
@@ -92,6 +100,10 @@ class Generator:
         self.params = SamplingParams(
             max_new_tokens=cfg.generation.max_new_tokens, temperature=cfg.generation.temperature,
             top_k=cfg.generation.top_k, top_p=cfg.generation.top_p)
+        self.rollout = load_rollout(cfg)  # None: single completions
+        self.filter = load_filter(cfg)
+        self.batcher = TurnBatcher(self.engine)  # episodes in flight share engine batches
+        self.skipped_prompts = 0
         self.groups = 0
         self.completions = 0
         self.tokens = 0
@@ -117,7 +129,7 @@ class Generator:
         engine = self.engine.health()
         return {"version": self.engine.version, "groups": self.groups,
                 "completions": self.completions, "tokens": self.tokens,
-                "dead_groups": self.dead_groups,
+                "dead_groups": self.dead_groups, "skipped_prompts": self.skipped_prompts,
                 "gate_wait_s": round(self.gate_wait_s, 3), "gate_closed": self.gate_closed,
                 "rejected_weights": self.rejected_weights, "taken_over": self.taken_over,
                 "lost_leases": self.lost_leases, "leases": len(self.leases), "engine": engine,
@@ -250,26 +262,78 @@ class Generator:
             if msg is not None:
                 await self.apply(msg)
 
-    async def _generate(self, prompt_ids: list[list[int]]) -> list[list[Completion] | str]:
-        """Completions per prompt, or the reason a prompt's group failed for good.
+    async def _generate(self, prompts: list[dict[str, Any]], prompt_ids: list[list[int]]
+                        ) -> list[list[Episode] | str]:
+        """Rollouts per prompt, or the reason a prompt's group failed for good.
 
-        An engine with independent requests (vLLM: one request per prompt, retried on
-        other servers) fails per group; the in-process engine decodes the batch as one."""
+        Single completions: an engine with independent requests (vLLM: one request per
+        prompt, retried on other servers) fails per group; the in-process engine decodes
+        the batch as one. Episodes (an environment or a rollout hook): per group, its
+        failure (an `EpisodeFailure`, an engine error, a hook that raised or returned
+        something else than its episodes) is that group's alone."""
         n = self.cfg.generation.num_generations
+        if self.rollout is not None:
+            return list(await asyncio.gather(*(self._episodes(p, ids)
+                                               for p, ids in zip(prompts, prompt_ids,
+                                                                 strict=True))))
         if not getattr(self.engine, "independent_prompts", False):
-            return list(await self.engine.generate(prompt_ids, n, self.params))
+            out = await self.engine.generate(prompt_ids, n, self.params)
+            return [[Episode.of(c) for c in g] for g in out]
 
-        async def one(p: list[int]) -> list[Completion] | str:
+        async def one(p: list[int]) -> list[Episode] | str:
             try:
-                return (await self.engine.generate([p], n, self.params))[0]
+                return [Episode.of(c) for c in
+                        (await self.engine.generate([p], n, self.params))[0]]
             except EngineError as e:
                 return str(e)
 
         return list(await asyncio.gather(*(one(p) for p in prompt_ids)))
 
+    async def _episodes(self, prompt: dict[str, Any], ids: list[int]) -> list[Episode] | str:
+        assert self.rollout is not None
+        n = self.cfg.generation.num_generations
+        ctx = RolloutContext(prompt, ids, n, self.params, self.tokenizer, self.batcher,
+                             self.engine.version)
+        what = "the environment" if self.cfg.environment.name else "generation.rollout"
+        try:
+            return check_episodes(await self.rollout(dict(prompt), ctx), n, what)
+        except EpisodeFailure as e:
+            return f"environment: {e}"
+        except EngineError as e:
+            return str(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a user's hook: its failure is its group's, the run goes on
+            return f"{what}: {e!r}"
+
+    async def skip_prompts(self, bus: Bus, cursors: list[int]) -> list[int]:
+        """Cursors whose prompt ``generation.filter_prompt`` keeps; the others retire
+        ``filtered`` now (a hook that raises keeps its prompt and says so in the log)."""
+        if self.filter is None:
+            return cursors
+        keep = []
+        for c in cursors:
+            _epoch, idx = prompt_for_cursor(c, len(self.task), self.cfg.run.seed)
+            try:
+                wanted = bool(self.filter(self.task.prompt(idx)))
+            except Exception as e:
+                log.warning("generation.filter_prompt raised on prompt %d (kept): %r", idx, e)
+                wanted = True
+            if wanted:
+                keep.append(c)
+                continue
+            op = f"skip:{c}:{self.wid}"
+            if await self.settle(bus, c, op, {"ev": "filtered", "retired": True},
+                                 lambda c=c, op=op: bus.skip(c, owner=self.wid, op=op)):
+                self.skipped_prompts += 1
+        return keep
+
     async def generate_batch(self, bus: Bus, cursors: list[int]) -> None:
         """Generate and append one group per cursor. A group is appended whole or, if
         its generation failed for good, retired `dead` with the reason: never half."""
+        cursors = await self.skip_prompts(bus, cursors)
+        if not cursors:
+            return
         t_admit = time.time()
         metas, prompt_ids = [], []
         for c in cursors:
@@ -279,9 +343,9 @@ class Generator:
             prompt_ids.append(render_prompt(self.tokenizer, prompt["text"],
                                             self.cfg.task.system_prompt))
         with self.metrics.timed("perf_generate_seconds"):
-            results = await self._generate(prompt_ids)
+            results = await self._generate([m[3] for m in metas], prompt_ids)
         t_done = time.time()
-        emits: list[tuple[int, bytes, str, int, list[Completion]]] = []
+        emits: list[tuple[int, bytes, str, int, list[Episode]]] = []
         for (c, epoch, idx, prompt), pids, comps in zip(metas, prompt_ids, results, strict=True):
             group_id = f"{epoch}:{idx}"
             if isinstance(comps, str):
@@ -311,7 +375,7 @@ class Generator:
             if entry_id:
                 self.groups += 1
                 self.completions += len(comps)
-                self.tokens += sum(len(x.token_ids) for x in comps)
+                self.tokens += sum(int(x.mask.sum()) for x in comps)
 
     async def settle(self, bus: Bus, cursor: int, op: str, event: dict[str, object],
                      call: Callable[[], Awaitable[T]]) -> T:

@@ -16,7 +16,11 @@ Calling convention: TRL's GRPOTrainer (``_calculate_rewards`` in TRL 1.16), by k
 - What TRL passes besides: ``trainer_state`` is ``None`` (the trainer's state lives in
   another process; TRL's own rewards accept that), ``log_extra`` and ``log_metric`` are
   callables that drop what they are given (the scorer reports its own metrics);
-  ``environments`` is not passed (no environments yet).
+  ``environments`` is not passed (episodes run in the generator, not here); a multi-turn
+  episode instead brings ``env_reward`` (its environment's reward, parts summed) and
+  ``env_reward_parts`` (the parts, summed over steps), None for single completions, and
+  its ``completions`` entry is its turns as chat messages when the prompt is
+  conversational (the transcript text otherwise).
 - ``None`` in the result means "not applicable to this sample" (as in TRL).
 
 So TRL's reward functions (``trl.rewards:accuracy_reward``, ``think_format_reward``, …)
@@ -29,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import inspect
 import math
 import numbers
@@ -41,7 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from workers.prompts import completion_for, completion_text
+from pipeline.imports import load_callable
+from workers.prompts import completion_for, completion_text, is_conversational
 
 _EOS = None  # end-of-sequence marker in character lists; never equal to a character
 
@@ -120,6 +124,15 @@ def format_reward(*, completions: Sequence[Any], **kwargs: Any) -> list[float | 
 _BOXED = re.compile(r"\\boxed\{[^{}]*\}")
 
 
+def env_reward(*, completions: Sequence[Any], env_reward: Sequence[Any] | None = None,
+               **kwargs: Any) -> list[float | None]:
+    """The environment's reward of each episode (its parts summed over parts and steps;
+    `workers.environments`): the default reward of a run with an ``[environment]``.
+    None for a completion no environment scored (so a mixed run is not given zeros)."""
+    vals = [None] * len(completions) if env_reward is None else list(env_reward)
+    return [None if v is None else float(v) for v in vals]
+
+
 def boxed_format_reward(*, completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
     """1.0 iff the completion gives exactly one ``\\boxed{...}`` answer (what math-verify's
     accuracy reward extracts first), else 0.0: a format reward for math recipes."""
@@ -147,27 +160,8 @@ class RewardFn:
 def load_reward(path: str, weight: float = 1.0) -> RewardFn:
     """Import ``"package.module:function"`` (``function`` may be dotted, e.g.
     ``Class.method``). ``name`` is the part after the colon, for metric keys."""
-    module_name, sep, attr = path.partition(":")
-    if (
-        not sep
-        or ":" in attr
-        or not all(p.isidentifier() for p in module_name.split("."))
-        or not all(p.isidentifier() for p in attr.split("."))
-    ):
-        raise ValueError(f"reward {path!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward {path!r}: cannot import module {module_name!r}: {e}") from e
-    except Exception as e:
-        raise ValueError(f"reward {path!r}: importing {module_name!r} failed: {e!r}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"reward {path!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"reward {path!r}: {attr!r} is {type(obj).__name__}, not callable")
+    obj = load_callable(path, f"reward {path!r}")
+    attr = path.partition(":")[2]
     return RewardFn(name=attr, fn=obj, weight=weight, path=path)
 
 
@@ -250,11 +244,14 @@ async def call_reward(rf: RewardFn, kwargs: dict[str, Any], n: int,
     return _validate(rf.name, result, n)
 
 
-def reward_kwargs(prompts: Sequence[Mapping[str, Any]], completions: Sequence[str],
-                  completion_ids: Sequence[Sequence[int]], finish_reasons: Sequence[str]
-                  ) -> dict[str, Any]:
+def reward_kwargs(prompts: Sequence[Mapping[str, Any]], completions: Sequence[Any],
+                  completion_ids: Sequence[Sequence[int]], finish_reasons: Sequence[str],
+                  extra: Mapping[str, Sequence[Any]] | None = None) -> dict[str, Any]:
     """The keyword arguments of one reward call (module docstring), one entry per
-    completion: ``prompts[i]`` is completion ``i``'s prompt dict (``text`` + columns)."""
+    completion: ``prompts[i]`` is completion ``i``'s prompt dict (``text`` + columns).
+    A completion is a text (conversational prompts get it as an assistant message) or
+    already a message list (a multi-turn episode's turns, passed as they are); ``extra``
+    adds per-completion columns (``env_reward``, ``env_reward_parts`` of episodes)."""
     n = len(completions)
     if not len(prompts) == len(completion_ids) == len(finish_reasons) == n:
         raise ValueError(f"{len(prompts)} prompts, {n} completions, {len(completion_ids)} "
@@ -263,19 +260,41 @@ def reward_kwargs(prompts: Sequence[Mapping[str, Any]], completions: Sequence[st
     for p in prompts:  # union of keys, in first-seen order
         columns.extend(k for k in p if k != "text" and k not in columns)
     kwargs: dict[str, Any] = {k: [p.get(k) for p in prompts] for k in columns}
+    for k, v in (extra or {}).items():
+        if len(v) != n:
+            raise ValueError(f"column {k!r} has {len(v)} values for {n} completions")
+        kwargs[k] = list(v)
     kwargs.update(
         prompts=[p.get("text") for p in prompts],
-        completions=[completion_for(p.get("text"), c) for p, c in zip(prompts, completions,
-                                                                        strict=True)],
+        completions=[completion_for(p.get("text"), c) if isinstance(c, str) else c
+                     for p, c in zip(prompts, completions, strict=True)],
         completion_ids=[[int(t) for t in ids] for ids in completion_ids],
         finish_reason=list(finish_reasons), trainer_state=None, log_extra=_drop,
         log_metric=_drop)
     return kwargs
 
 
+def episode_inputs(prompts: Sequence[Mapping[str, Any]], rollouts: Sequence[Any]
+                   ) -> tuple[list[Any], dict[str, list[Any]]]:
+    """``completions`` and ``extra`` columns of `reward_matrix` for rollouts (anything with
+    ``text``, ``messages`` and ``env_reward``: `pipeline.bus.schema.Rollout`): an episode's
+    turns stand for its completion when its prompt is conversational, its text otherwise;
+    ``env_reward`` / ``env_reward_parts`` are added when any rollout has them."""
+    comps = [r.messages if r.messages is not None and is_conversational(p.get("text"))
+             else r.text for p, r in zip(prompts, rollouts, strict=True)]
+    if all(r.env_reward is None for r in rollouts):
+        return comps, {}
+    return comps, {
+        "env_reward": [None if r.env_reward is None else float(sum(r.env_reward.values()))
+                       for r in rollouts],
+        "env_reward_parts": [None if r.env_reward is None else dict(r.env_reward)
+                             for r in rollouts]}
+
+
 async def reward_matrix(rewards: Sequence[RewardFn], prompts: Sequence[Mapping[str, Any]],
-                        completions: Sequence[str], completion_ids: Sequence[Sequence[int]],
-                        finish_reasons: Sequence[str], *, timeout_s: float) -> np.ndarray:
+                        completions: Sequence[Any], completion_ids: Sequence[Sequence[int]],
+                        finish_reasons: Sequence[str], *, timeout_s: float,
+                        extra: Mapping[str, Sequence[Any]] | None = None) -> np.ndarray:
     """Rewards of ``n`` (prompt dict, completion) pairs under each function: ``[n, F]``
     float64, NaN where a function returned None.
 
@@ -285,7 +304,7 @@ async def reward_matrix(rewards: Sequence[RewardFn], prompts: Sequence[Mapping[s
     any failed; the caller decides what a failure costs (the scorer: retry per group).
     """
     n = len(completions)
-    kwargs = reward_kwargs(prompts, completions, completion_ids, finish_reasons)
+    kwargs = reward_kwargs(prompts, completions, completion_ids, finish_reasons, extra)
     cols = await asyncio.gather(*[call_reward(rf, kwargs, n, timeout_s) for rf in rewards],
                                 return_exceptions=True)
     for col in cols:

@@ -54,7 +54,14 @@ from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup
 from pipeline.config import Config, ConfigError, RewardSpec
 from pipeline.metrics import start as start_metrics
 from pipeline.runtime import Heartbeat, connect, join, limits
-from workers.rewards import RewardError, RewardFn, load_reward, probe_reward, reward_matrix
+from workers.rewards import (
+    RewardError,
+    RewardFn,
+    episode_inputs,
+    load_reward,
+    probe_reward,
+    reward_matrix,
+)
 from workers.tasks import Task, task_from_config
 
 log = logging.getLogger("sluice.scorer")
@@ -92,11 +99,12 @@ class Scorer:
         timeout_s = self.cfg.scoring.reward_timeout_s
 
         async def call(gs: list[RolloutGroup]) -> np.ndarray:
-            rows = [(g.prompt, r) for g in gs for r in g.rollouts]
+            prompts = [g.prompt for g in gs for _ in g.rollouts]
+            rollouts = [r for g in gs for r in g.rollouts]
+            comps, extra = episode_inputs(prompts, rollouts)
             return await reward_matrix(
-                self.rewards, [p for p, _ in rows], [r.text for _, r in rows],
-                [r.completion_ids.tolist() for _, r in rows], [r.finish_reason for _, r in rows],
-                timeout_s=timeout_s)
+                self.rewards, prompts, comps, [r.completion_ids.tolist() for r in rollouts],
+                [r.finish_reason for r in rollouts], timeout_s=timeout_s, extra=extra)
 
         if not groups:
             return []

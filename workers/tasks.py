@@ -205,10 +205,56 @@ class AddTask(_ProceduralTask):
         return [(f"{x}+{y}=", str(x + y)) for x, y in zip(a, b, strict=True)]
 
 
-_PROCEDURAL: dict[str, type[_DigitStringTask] | type[AddTask]] = {
+class GuessTask:
+    """``"31-38:"`` with a hidden ``answer`` in ``[lo, hi]`` (columns ``lo``, ``hi``): the
+    prompts of the guess-the-number environment (`workers.environments.builtin`).
+
+    Ranges have ``lo`` in [0, 90] and a width of 3 to 9. The held-out ranges are a fixed
+    fifth of all ranges (by ``(lo * 7 + width) % 5 == 0``), the training prompts draw from
+    the rest, so no held-out text is a training text; the held-out set has one prompt per
+    held-out range (126), its hidden number drawn from the held-out stream."""
+
+    name = "guess"
+
+    def __init__(self, num_prompts: int = 20000, seed: int = 0) -> None:
+        self.default_rewards = ["workers.rewards:env_reward"]
+        self.num_prompts = _check_int("num_prompts", num_prompts, 1)
+        self.seed = _check_int("seed", seed, 0)
+        ranges = [(lo, lo + w) for lo in range(91) for w in range(3, 10)]
+        held = [r for r in ranges if (r[0] * 7 + (r[1] - r[0])) % 5 == 0]
+        train = [r for r in ranges if (r[0] * 7 + (r[1] - r[0])) % 5 != 0]
+        rng = np.random.default_rng([self.seed, _TRAIN_STREAM])
+        pick = rng.integers(0, len(train), size=self.num_prompts)
+        self._train = [(train[i], int(rng.integers(train[i][0], train[i][1] + 1)))
+                       for i in pick.tolist()]
+        hrng = np.random.default_rng([self.seed, _HELDOUT_STREAM])
+        order = hrng.permutation(len(held)).tolist()
+        self._heldout = [(held[i], int(hrng.integers(held[i][0], held[i][1] + 1)))
+                         for i in order]
+
+    @staticmethod
+    def _make(r: tuple[int, int], secret: int) -> Prompt:
+        return {"text": f"{r[0]}-{r[1]}:", "answer": str(secret), "lo": r[0], "hi": r[1],
+                "task": "guess"}
+
+    def __len__(self) -> int:
+        return self.num_prompts
+
+    def prompt(self, index: int) -> Prompt:
+        index = operator.index(index)
+        if not 0 <= index < self.num_prompts:
+            raise IndexError(f"guess: prompt index {index} not in [0, {self.num_prompts})")
+        return self._make(*self._train[index])
+
+    def heldout(self, n: int) -> list[Prompt]:
+        return [self._make(*x) for x in self._heldout[:_check_int("n", n, 0)]]
+
+
+_PROCEDURAL: dict[str, type[_DigitStringTask] | type[AddTask] | type[GuessTask]] = {
     "copy": CopyTask,
     "reverse": ReverseTask,
     "add": AddTask,
+    "guess": GuessTask,
 }
 TASK_NAMES: tuple[str, ...] = (*_PROCEDURAL, "jsonl", "hf", "reasoning_gym")
 

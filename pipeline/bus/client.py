@@ -192,6 +192,7 @@ class Bus:
         self._handoff = client.register_script(lua.HANDOFF)
         self._dead = client.register_script(lua.DEAD_LETTER)
         self._abandon = client.register_script(lua.ABANDON)
+        self._skip = client.register_script(lua.SKIP)
         self._admit = client.register_script(lua.ADMIT)
         self._set_version = client.register_script(lua.SET_VERSION)
         self._emit = client.register_script(lua.EMIT)
@@ -543,6 +544,14 @@ class Bus:
             args=[local, owner, b"reason", reason.encode()[:2000], b"role", role.encode(),
                   b"group_id", group_id.encode(), b"t", str(time.time()).encode()])
         return bool(done)
+
+    async def skip(self, cursor: int, *, owner: str, op: str) -> bool:
+        """Retire an admitted group ``filtered`` without generating it (its prompt was
+        skipped by ``generation.filter_prompt``); only while ``owner`` holds its lease.
+        Idempotent per op."""
+        k, local = self.lanes.split(cursor)
+        return bool(await self._skip(keys=[k.state, k.leases, k.op("generator", op)],
+                                     args=[local, owner]))
 
     async def trainer_lock(self, holder: str, ttl_ms: int) -> str:
         """Take (or refresh) the run's trainer lock for ``holder``; returns the holder

@@ -66,7 +66,12 @@ def _tokens_map(r: Rollout | TrainRollout) -> dict[str, Any]:
 
 
 def _rollout_map(r: Rollout) -> dict[str, Any]:
-    return {**_tokens_map(r), "fin": r.finish_reason, "text": r.text}
+    m = {**_tokens_map(r), "fin": r.finish_reason, "text": r.text}
+    if r.messages is not None:
+        m["msgs"] = r.messages
+    if r.env_reward is not None:
+        m["env"] = r.env_reward
+    return m
 
 
 def _group_map(g: RolloutGroup) -> dict[str, Any]:
@@ -99,6 +104,8 @@ def encode(msg: Message) -> bytes:
             "rew": _arr(msg.rewards, _F32),
             "parts": {k: _arr(v, _F32) for k, v in msg.reward_parts.items()},
             "adv": _arr(msg.advantages, _F32),
+            **({"tadv": [_arr(a, _F32) for a in msg.token_advantages]}
+               if msg.token_advantages is not None else {}),
             "scorer": msg.scorer,
             "t_scored": msg.t_scored,
         }
@@ -193,8 +200,22 @@ def _decode_tokens(m: Any, where: str, limits: Limits) -> dict[str, Any]:
 
 def _decode_rollout(m: Any, where: str, limits: Limits) -> Rollout:
     arrays = _decode_tokens(m, where, limits)
+    messages = env = None
+    if "msgs" in m:
+        messages = m["msgs"]
+        check_prompt_value(messages, f"{where}.msgs")
+        if not isinstance(messages, list) or not all(
+                isinstance(x, dict) and isinstance(x.get("role"), str) for x in messages):
+            raise DecodeError(f"{where}.msgs: expected a list of messages with a role")
+    if "env" in m:
+        env_raw = _get(m, "env", dict, where)
+        env = {}
+        for k, v in env_raw.items():
+            if not isinstance(k, str) or type(v) not in (int, float):
+                raise DecodeError(f"{where}.env: expected str -> number")
+            env[k] = _finite(float(v), f"{where}.env.{k}")
     return Rollout(finish_reason=_get(m, "fin", str, where), text=_get(m, "text", str, where),
-                   **arrays)
+                   messages=messages, env_reward=env, **arrays)
 
 
 def _candidates(m: dict[str, Any], ids: np.ndarray, where: str,
@@ -277,6 +298,18 @@ def _decode_scored(m: dict[str, Any], limits: Limits) -> ScoredGroup:
         if np.isinf(part).any():  # NaN has a meaning here, inf none: no reward is infinite
             raise DecodeError(f"{where}.parts.{k}: contains inf")
         parts[k] = part
+    tadv = None
+    if "tadv" in m:
+        raw = _get(m, "tadv", list, where)
+        if len(raw) != n:
+            raise DecodeError(f"{where}.tadv: {len(raw)} rows for {n} rollouts")
+        tadv = []
+        for i, (a, r) in enumerate(zip(raw, g.rollouts, strict=True)):
+            arr = _array({"a": a}, "a", _F32, f"{where}.tadv[{i}]", limits)
+            if len(arr) != len(r.completion_ids):
+                raise DecodeError(f"{where}.tadv[{i}]: {len(arr)} values for "
+                                  f"{len(r.completion_ids)} tokens")
+            tadv.append(arr)
     return ScoredGroup(
         group=g,
         rewards=_per_rollout(m, "rew", n, where, limits),
@@ -284,6 +317,7 @@ def _decode_scored(m: dict[str, Any], limits: Limits) -> ScoredGroup:
         advantages=_per_rollout(m, "adv", n, where, limits),
         scorer=_get(m, "scorer", str, where),
         t_scored=_finite(_get(m, "t_scored", (int, float), where), f"{where}.t_scored"),
+        token_advantages=tadv,
     )
 
 

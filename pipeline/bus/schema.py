@@ -12,9 +12,11 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Wire format version, carried by every message. 2: a `scored` entry carries a `TrainGroup`
-(only what the trainer reads), no longer the whole rollout group (issue 14)."""
+(only what the trainer reads), no longer the whole rollout group (issue 14). 3: multi-turn
+rollouts (a rollout's ``messages`` and ``env_reward``) and per-token advantages (issue 15);
+a reader of 2 would silently train per-token advantages as none, hence the bump."""
 
 PromptValue = Any
 """A prompt column's value: str, int, float, bool, None, or lists / str-keyed maps of these
@@ -42,7 +44,11 @@ class _Tokens:
 
 @dataclass
 class Rollout(_Tokens):
-    """One completion. Invariant: all four arrays have the same length.
+    """One completion, or one multi-turn episode. Invariant: all four arrays have the
+    same length. An episode's ``mask`` is 0 at the tokens its environment inserted (their
+    ``logprobs`` are 0: not sampled), ``messages`` holds its turns as chat messages
+    (``assistant`` for the model's, the environment's own roles) and ``env_reward`` the
+    environment's rewards summed per named part; both None for a single completion.
 
     ``candidate_ids``/``candidate_counts`` (both or neither) record, when the sampler
     truncated its distribution (top-k / top-p), the token ids it could have drawn at each
@@ -59,6 +65,8 @@ class Rollout(_Tokens):
     text: str
     candidate_ids: np.ndarray | None = None  # int32 [sum(candidate_counts)]
     candidate_counts: np.ndarray | None = None  # int32 [T]
+    messages: list[dict[str, PromptValue]] | None = None  # a multi-turn episode's turns
+    env_reward: dict[str, float] | None = None  # environment reward parts, summed per part
 
     def for_training(self) -> TrainRollout:
         """What the trainer reads of this completion (shares the arrays, no copy)."""
@@ -133,7 +141,11 @@ class TrainGroup:
 @dataclass
 class ScoredGroup:
     """What the trainer needs of one scored group (DESIGN §3): the `TrainGroup`, rewards
-    and advantages; one row per rollout. Build it with ``RolloutGroup.for_training()``."""
+    and advantages; one row per rollout. Build it with ``RolloutGroup.for_training()``.
+    ``token_advantages``, when set, gives every rollout one advantage per token (same
+    length as its ids; the trainer reads them at mask-1 tokens only) and replaces
+    ``advantages`` in the loss (``advantages`` then holds their mean over mask-1 tokens,
+    for reports)."""
 
     group: TrainGroup
     rewards: np.ndarray  # float32 [n], weighted total
@@ -141,6 +153,14 @@ class ScoredGroup:
     advantages: np.ndarray  # float32 [n]
     scorer: str
     t_scored: float
+    token_advantages: list[np.ndarray] | None = None  # float32 [T_i] per rollout
+
+    def advantage_of(self, i: int) -> np.ndarray | float:
+        """Rollout ``i``'s advantage: per token when the scorer gave them (on-policy
+        distillation, a per-token ``scoring.advantages`` hook), else one number."""
+        if self.token_advantages is not None:
+            return self.token_advantages[i]
+        return float(self.advantages[i])
 
 
 @dataclass

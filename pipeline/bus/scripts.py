@@ -137,6 +137,18 @@ redis.call('HINCRBY', KEYS[1], 'retired:dead', 1)
 return 1
 """)
 
+SKIP = _idempotent("""
+-- KEYS: state, leases, op; ARGV: cursor, owner. An admitted group its generator skips
+-- (generation.filter_prompt said no) retires `filtered`, if `owner` holds its lease.
+local v = redis.call('HGET', KEYS[2], ARGV[1])
+if not """ + _OWNS.format(o="ARGV[2]") + """ then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'generating', -1)
+redis.call('HINCRBY', KEYS[1], 'retired', 1)
+redis.call('HINCRBY', KEYS[1], 'retired:filtered', 1)
+return 1
+""")
+
 RENEW = """
 -- KEYS: leases; ARGV: owner, lease_ms, cursor... Extends the leases `owner` still holds;
 -- returns the cursors it no longer holds (taken over after it missed renewals).

@@ -182,10 +182,10 @@ def test_make_task(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}])
     assert len(make_task("jsonl", seed=0, num_prompts=1, path=str(path))) == 1
     with pytest.raises(ValueError,
-                       match="known tasks: copy, reverse, add, jsonl, hf, reasoning_gym"):
+                       match="known tasks: copy, reverse, add, guess, jsonl, hf, reasoning_gym"):
         make_task("nope", seed=0, num_prompts=1)
     with pytest.raises(ValueError, match="needs data"):
         make_task("jsonl", seed=0, num_prompts=1)
     with pytest.raises(ValueError, match="takes no path"):
         make_task("copy", seed=0, num_prompts=1, path=str(path))
-    assert TASK_NAMES == ("copy", "reverse", "add", "jsonl", "hf", "reasoning_gym")
+    assert TASK_NAMES == ("copy", "reverse", "add", "guess", "jsonl", "hf", "reasoning_gym")

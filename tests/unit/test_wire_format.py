@@ -71,7 +71,7 @@ def test_a_scored_entry_decodes_with_msgpack_and_numpy_alone(tmp_path: Path) -> 
                         str(tmp_path / "m.bin")], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     m = json.loads(p.stdout.replace("NaN", "null"))
-    assert m["type"] == "scored" and m["schema"] == 2 and m["gid"] == g.group_id
+    assert m["type"] == "scored" and m["schema"] == 3 and m["gid"] == g.group_id
     assert m["pids"] == g.prompt_ids.tolist()
     for got, r in zip(m["ro"], g.rollouts, strict=True):
         assert got["ids"] == r.completion_ids.tolist() and got["mask"] == r.mask.tolist()

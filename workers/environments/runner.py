@@ -1,0 +1,210 @@
+"""Run a group's episodes against an environment (the contract: `workers.environments.base`).
+
+Per episode: build a fresh environment, ``reset`` it with the prompt dict, then alternate
+the model's turn (sampled by the engine, kept exactly: `workers.episodes`) and the
+environment's ``step``, whose observation is tokenised and inserted (mask 0), until the
+environment says ``done`` (the episode ends ``stop``), ``environment.max_turns`` model
+turns have been taken, or the episode's tokens reach ``environment.max_episode_tokens``
+(it ends ``length``; the model's last turn is cut to fit, and an observation that does
+not fit ends the episode there, or with ``overflow = "dead"`` retires the group). All
+``n`` episodes of a group run concurrently; any `EpisodeFailure` (the environment raised,
+timed out or returned something invalid) fails the group, which the generator retires
+``dead`` with the reason.
+
+Observations are tokenised as the chat template renders them (`observation_ids`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from workers.environments.base import (
+    Action,
+    EnvFactory,
+    EpisodeFailure,
+    Observation,
+    call,
+    check_observation,
+    load_environment,
+    step_result,
+)
+from workers.episodes import Episode, RolloutContext
+from workers.prompts import Messages
+
+log = logging.getLogger("sluice.environments")
+
+_PROBE_USER, _PROBE_ASSISTANT = "u", "a"
+
+
+def _template(tokenizer: Any, messages: Messages, generation_prompt: bool) -> str:
+    return str(tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=generation_prompt))
+
+
+def observation_messages(obs: str | Messages, role: str) -> Messages:
+    return [{"role": role, "content": obs}] if isinstance(obs, str) else list(obs)
+
+
+def observation_text(tokenizer: Any, obs: str | Messages, *, role: str,
+                     after_eos: bool) -> str:
+    """The text inserted after a model turn for observation ``obs``.
+
+    Without a chat template: the observation's text as is (messages: their contents
+    joined). With one: what the template puts between an assistant turn's content and
+    the next assistant turn's content — the end of the assistant turn (minus the eos the
+    model already emitted, when ``after_eos``), the observation as ``role`` turn(s), and
+    the generation prompt — found by rendering a probe conversation with and without the
+    observation (``full = base + delta`` must hold, else the template cannot be extended
+    turn by turn and we say so)."""
+    if not getattr(tokenizer, "chat_template", None):
+        if isinstance(obs, str):
+            return obs
+        return "".join(str(m.get("content", "")) for m in obs)
+    base_msgs = [{"role": "user", "content": _PROBE_USER},
+                 {"role": "assistant", "content": _PROBE_ASSISTANT}]
+    base = _template(tokenizer, base_msgs, False)
+    full = _template(tokenizer, base_msgs + observation_messages(obs, role), True)
+    if not full.startswith(base):
+        raise EpisodeFailure("the chat template renders an earlier conversation differently "
+                             "once an observation follows; it cannot be extended turn by turn")
+    close = base[base.rindex(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT):]
+    eos = getattr(tokenizer, "eos_token", None)
+    if after_eos and eos and close.startswith(eos):
+        close = close[len(eos):]
+    return close + full[len(base):]
+
+
+def observation_ids(tokenizer: Any, obs: str | Messages, *, role: str,
+                    after_eos: bool) -> list[int]:
+    """Token ids of `observation_text` (no special tokens added around them)."""
+    text = observation_text(tokenizer, obs, role=role, after_eos=after_eos)
+    return list(tokenizer(text, add_special_tokens=False).input_ids) if text else []
+
+
+async def _close(env: Any, timeout_s: float) -> None:
+    close = getattr(env, "close", None)
+    if close is None:
+        return
+    try:
+        await call(close, timeout_s=timeout_s, what="close")
+    except EpisodeFailure as e:  # the episode is done; a failing close costs nothing
+        log.warning("environment close failed: %s", e)
+
+
+class EnvironmentRunner:
+    """Episodes of one configured environment (``environment.*``)."""
+
+    def __init__(self, factory: EnvFactory, *, max_turns: int, max_episode_tokens: int,
+                 step_timeout_s: float, observation_role: str = "user",
+                 overflow: str = "truncate") -> None:
+        self.factory = factory
+        self.max_turns = max_turns
+        self.max_episode_tokens = max_episode_tokens
+        self.step_timeout_s = step_timeout_s
+        self.role = observation_role
+        self.overflow = overflow
+        self.counts = {"episodes": 0, "turns": 0, "truncated": 0}
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> EnvironmentRunner:
+        from pipeline.config import ConfigError
+
+        e = cfg.environment
+        try:
+            factory = load_environment(e.name, e.kwargs)
+        except ValueError as err:
+            raise ConfigError(f"environment.name: {err}") from None
+        try:  # one instance now, so wrong kwargs fail at start, not in every episode
+            probe = factory()
+        except Exception as err:
+            raise ConfigError(f"environment.kwargs: {e.name}(**{e.kwargs!r}) raised "
+                              f"{err!r}") from None
+        for method in ("reset", "step"):
+            if not callable(getattr(probe, method, None)):
+                raise ConfigError(f"environment.name: {e.name} builds a "
+                                  f"{type(probe).__name__}, which has no {method}() method")
+        return cls(factory, max_turns=e.max_turns, max_episode_tokens=e.max_episode_tokens,
+                   step_timeout_s=e.step_timeout_s, observation_role=e.observation_role,
+                   overflow=e.overflow)
+
+    async def group(self, ctx: RolloutContext) -> list[Episode]:
+        """``ctx.n`` episodes of ``ctx.prompt``, concurrently; the first failure fails the
+        group (the others are cancelled)."""
+        tasks = [asyncio.ensure_future(self.episode(ctx)) for _ in range(ctx.n)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def episode(self, ctx: RolloutContext) -> Episode:
+        t = self.step_timeout_s
+        env = await call(self.factory, timeout_s=t, what="building the environment")
+        try:
+            return await self._play(env, ctx)
+        finally:
+            await _close(env, t)
+
+    async def _play(self, env: Any, ctx: RolloutContext) -> Episode:
+        t, tok = self.step_timeout_s, ctx.tokenizer
+        for method in ("reset", "step"):
+            if not callable(getattr(env, method, None)):
+                raise EpisodeFailure(f"the environment has no {method}() method (a "
+                                     f"{type(env).__name__})")
+        b = ctx.episode()
+        messages: Messages = []
+        rewards: dict[str, float] = {}
+        obs = check_observation(await call(env.reset, dict(ctx.prompt), timeout_s=t,
+                                           what="reset"), "reset")
+        finish = "length"
+        if obs:
+            if not self._insert(b, messages, obs, tok, after_eos=False):
+                return b.finish("length", messages=messages, env_reward=rewards)
+        for turn in range(self.max_turns):
+            room = self.max_episode_tokens - len(b)
+            if room <= 0:
+                break
+            c = await ctx.generate(ctx.prompt_ids + b.token_ids, max_new_tokens=room)
+            b.add_model(c)
+            text = ctx.decode(c.token_ids)
+            messages.append({"role": "assistant", "content": text})
+            self.counts["turns"] += 1
+            res = step_result(await call(env.step, Action(text, c.token_ids.tolist(), turn),
+                                         timeout_s=t, what=f"step (turn {turn})"),
+                              f"step (turn {turn})")
+            for k, v in _as_parts(res.reward).items():
+                rewards[k] = rewards.get(k, 0.0) + v
+            if res.done:
+                finish = "stop"
+                break
+            if res.observation and not self._insert(b, messages, res.observation, tok,
+                                                    after_eos=c.finish_reason == "stop"):
+                break
+        self.counts["episodes"] += 1
+        if finish == "length":
+            self.counts["truncated"] += 1
+        return b.finish(finish, messages=messages, env_reward=rewards)
+
+    def _insert(self, b: Any, messages: Messages, obs: Observation, tok: Any, *,
+                after_eos: bool) -> bool:
+        """Insert an observation; False when it does not fit (the episode ends)."""
+        assert obs is not None
+        ids = observation_ids(tok, obs, role=self.role, after_eos=after_eos)
+        # room for the observation and at least one model token after it
+        if len(b) + len(ids) >= self.max_episode_tokens:
+            if self.overflow == "dead":
+                raise EpisodeFailure(
+                    f"an observation of {len(ids)} tokens takes the episode past "
+                    f"environment.max_episode_tokens ({self.max_episode_tokens}; "
+                    f"{len(b)} used)")
+            return False
+        b.add_context(ids)
+        messages.extend(observation_messages(obs, self.role))
+        return True
+
+
+def _as_parts(reward: Any) -> dict[str, float]:
+    return dict(reward) if isinstance(reward, Mapping) else {}
