@@ -25,6 +25,8 @@ m = msgpack.unpackb(open(sys.argv[2], "rb").read(), raw=False)
 def conv(key, v):
     dt = table.get(key)
     assert dt is not None, f"key {key!r} is not in docs/wire-format.md"
+    if dt and isinstance(v, list):  # an array of arrays (one per completion)
+        return [np.frombuffer(x, dtype=np.dtype(dt)).tolist() for x in v]
     return np.frombuffer(v, dtype=np.dtype(dt)).tolist() if dt else v
 
 out = {}
@@ -65,7 +67,9 @@ def test_a_scored_entry_decodes_with_msgpack_and_numpy_alone(tmp_path: Path) -> 
                      reward_parts={"copy_reward": np.array([1.0, 0.5], np.float32),
                                    "judge": np.array([np.nan, 0.25], np.float32)},
                      advantages=np.array([0.7, -0.7], np.float32), scorer="scorer/s",
-                     t_scored=time.time())
+                     t_scored=time.time(),
+                     token_advantages=[np.array([0.5, 1.0, 0.25, 0.0], np.float32),
+                                       np.array([-1.0, 0.5, 0.0], np.float32)])
     (tmp_path / "m.bin").write_bytes(encode(sg))
     p = subprocess.run([sys.executable, "-I", "-c", DECODER, json.dumps(doc_table()),
                         str(tmp_path / "m.bin")], capture_output=True, text=True, timeout=60)
@@ -84,5 +88,6 @@ def test_a_scored_entry_decodes_with_msgpack_and_numpy_alone(tmp_path: Path) -> 
                                                          if k.startswith("ro[].")}
     assert m["ro"][0]["cand"] == [5, 6, 7, 1] and m["ro"][0]["ncand"] == [1, 1, 1, 1]
     assert np.allclose(m["rew"], [1.0, 0.5]) and np.allclose(m["adv"], [0.7, -0.7])
+    assert m["tadv"] == [[0.5, 1.0, 0.25, 0.0], [-1.0, 0.5, 0.0]]
     assert m["parts"]["copy_reward"] == [1.0, 0.5] and m["parts"]["judge"][0] is None
     assert m["scorer"] == "scorer/s" and m["t_scored"] == sg.t_scored
