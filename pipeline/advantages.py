@@ -33,9 +33,11 @@ ScaleRewards = Literal["group", "batch", "none"]
 __all__ = [
     "ScaleRewards",
     "batch_advantages",
+    "check_hook_advantages",
     "combine_rewards",
     "group_advantages",
     "is_zero_variance",
+    "rloo",
 ]
 
 _SCALES = ("group", "batch", "none")
@@ -147,3 +149,46 @@ def is_zero_variance(rewards: np.ndarray, atol: float = 1e-6) -> bool:
     """
     r = _as_rewards(rewards)
     return bool(r.max() - r.min() <= atol)
+
+
+def rloo(*, rewards: list[float], **kwargs: object) -> list[float]:
+    """RLOO advantages of one group, usable as ``scoring.advantages =
+    "pipeline.advantages:rloo"``: each sample's reward minus the mean of the *other*
+    samples' rewards, ``r_i - (sum(r) - r_i) / (n - 1) = n / (n - 1) * (r_i - mean(r))``
+    (Ahmadian et al. 2024; no std scaling). Sums to 0; a group of one gets 0."""
+    r = _as_rewards(np.asarray(rewards))
+    n = r.size
+    if n < 2:
+        return [0.0] * n
+    return (r - (r.sum() - r) / (n - 1)).astype(np.float64).tolist()
+
+
+def check_hook_advantages(value: object, lengths: list[int], where: str
+                          ) -> tuple[np.ndarray, list[np.ndarray] | None]:
+    """What a ``scoring.advantages`` hook returned for a group whose rollouts have
+    ``lengths`` tokens: one finite number per rollout -> (float32 ``[n]``, None), or one
+    list per rollout with one number per token -> (their per-rollout means, the float32
+    arrays). Anything else is a ``ValueError`` saying what came back."""
+    n = len(lengths)
+    if hasattr(value, "tolist") and not isinstance(value, list | tuple):
+        value = value.tolist()  # type: ignore[union-attr]
+    if not isinstance(value, list | tuple) or len(value) != n:
+        got = f"{len(value)} values" if isinstance(value, list | tuple) else type(value).__name__
+        raise ValueError(f"{where} must return {n} advantages (one per rollout, or one list "
+                         f"per rollout of per-token values), got {got}")
+    if all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+        adv = np.asarray(value, dtype=np.float64)
+        if not np.isfinite(adv).all():
+            raise ValueError(f"{where} returned a non-finite advantage")
+        return adv.astype(np.float32), None
+    rows = []
+    for i, (v, t) in enumerate(zip(value, lengths, strict=True)):
+        a = np.asarray(v.tolist() if hasattr(v, "tolist") else v, dtype=np.float64)
+        if a.ndim != 1 or a.size != t:
+            raise ValueError(f"{where}: rollout {i} has {t} tokens but {a.size} per-token "
+                             "advantages")
+        if not np.isfinite(a).all():
+            raise ValueError(f"{where}: rollout {i} has a non-finite advantage")
+        rows.append(a.astype(np.float32))
+    means = np.asarray([float(a.mean()) if a.size else 0.0 for a in rows], np.float32)
+    return means, rows

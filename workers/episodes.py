@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.bus.schema import Rollout
 from workers.engines.base import Completion, Engine, SamplingParams
 from workers.prompts import Messages
 
@@ -53,6 +54,18 @@ class Episode:
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
+
+    def to_rollout(self, tokenizer: Any) -> Rollout:
+        """The wire form; its text is the whole decoded sequence (an episode's: the
+        transcript, environment turns included), special tokens skipped."""
+        return Rollout(
+            completion_ids=self.token_ids.astype(np.int32),
+            logprobs=self.logprobs.astype(np.float32),
+            versions=self.versions.astype(np.int32), mask=self.mask.astype(np.uint8),
+            finish_reason=self.finish_reason,
+            text=str(tokenizer.decode(self.token_ids, skip_special_tokens=True)),
+            candidate_ids=self.candidate_ids, candidate_counts=self.candidate_counts,
+            messages=self.messages, env_reward=self.env_reward)
 
     @classmethod
     def of(cls, c: Completion) -> Episode:

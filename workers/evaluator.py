@@ -1,8 +1,9 @@
 """Evaluator role: held-out prompts scored with reward functions, per published version.
 
 Metrics (`pipeline.evaluation`): mean reward and per-function means of greedy
-completions, greedy ``pass@1`` (total reward >= ``eval.pass_threshold``), and sampled
-``sampled_pass@k`` when ``eval.num_samples`` > 0. Reward functions are ``eval.rewards``
+completions (greedy episodes with an environment or a rollout hook), greedy ``pass@1``
+(total reward >= ``eval.pass_threshold``), and sampled ``sampled_pass@k`` when
+``eval.num_samples`` > 0. Reward functions are ``eval.rewards``
 (default: the training rewards), called exactly as the scorer calls them.
 
 It follows ``control`` like a generator, evaluates the initial weights, then the newest
@@ -36,10 +37,12 @@ from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, set_threads
 from pipeline.tracking import Tracker, eval_metrics, open_tracker
 from pipeline.transports import WeightError, make_transport
-from workers.engines.base import Completion, Engine, SamplingParams
+from workers.engines.base import Engine, SamplingParams
 from workers.engines.transformers import TransformersEngine
+from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
+from workers.hooks import RolloutFn, load_rollout
 from workers.prompts import render_prompt
-from workers.rewards import RewardFn, reward_matrix
+from workers.rewards import RewardFn, episode_inputs, reward_matrix
 from workers.scorer import load_rewards
 from workers.tasks import task_from_config
 
@@ -47,14 +50,46 @@ log = logging.getLogger("sluice.evaluator")
 
 
 async def reward_values(rewards: list[RewardFn], tokenizer: Any, prompts: list[dict[str, Any]],
-                        outs: list[Completion], timeout_s: float) -> list[list[float | None]]:
-    """``[completion][function]`` reward values (None where a function gave None), the
-    functions called exactly as the scorer calls them (`workers.rewards.reward_matrix`:
-    by keyword, one call per function over every completion)."""
-    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in outs]
-    m = await reward_matrix(rewards, prompts, texts, [c.token_ids.tolist() for c in outs],
-                            [c.finish_reason for c in outs], timeout_s=timeout_s)
-    return [[None if math.isnan(v) else float(v) for v in row] for row in m.tolist()]
+                        outs: list[Episode | None], timeout_s: float
+                        ) -> list[list[float | None]]:
+    """``[rollout][function]`` reward values (None where a function gave None, and for
+    every function where the rollout failed: its environment or hook broke), the functions
+    called exactly as the scorer calls them (`workers.rewards.reward_matrix`: by keyword,
+    one call per function over every rollout; `workers.rewards.episode_inputs`)."""
+    done = [i for i, e in enumerate(outs) if e is not None]
+    rows: list[list[float | None]] = [[None] * len(rewards) for _ in outs]
+    if not done:
+        return rows
+    ros = [outs[i].to_rollout(tokenizer) for i in done]  # type: ignore[union-attr]
+    ps = [prompts[i] for i in done]
+    comps, extra = episode_inputs(ps, ros)
+    m = await reward_matrix(rewards, ps, comps, [r.completion_ids.tolist() for r in ros],
+                            [r.finish_reason for r in ros], timeout_s=timeout_s, extra=extra)
+    for i, row in zip(done, m.tolist(), strict=True):
+        rows[i] = [None if math.isnan(v) else float(v) for v in row]
+    return rows
+
+
+async def rollouts_of(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]],
+                      ids: list[list[int]], n: int, params: SamplingParams,
+                      rollout: RolloutFn | None) -> list[list[Episode | None]]:
+    """``n`` rollouts per prompt: completions of one batched ``generate``, or episodes of
+    the run's environment / rollout hook (as a generator makes them, with ``params``:
+    greedy ones for pass@1). A prompt whose episodes fail gives None rollouts (logged):
+    they score no reward."""
+    if rollout is None:
+        return [[Episode.of(c) for c in g] for g in await engine.generate(ids, n, params)]
+    batcher = TurnBatcher(engine)
+
+    async def one(p: dict[str, Any], pids: list[int]) -> list[Episode | None]:
+        ctx = RolloutContext(p, pids, n, params, tokenizer, batcher, engine.version)
+        try:
+            return list(check_episodes(await rollout(dict(p), ctx), n, "rollout"))
+        except Exception as e:  # a broken episode fails its prompt, not the evaluation
+            log.warning("held-out prompt %r: rollouts failed: %r", p.get("text"), e)
+            return [None] * n
+
+    return list(await asyncio.gather(*(one(p, i) for p, i in zip(prompts, ids, strict=True))))
 
 
 async def evaluate(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]],
@@ -62,18 +97,22 @@ async def evaluate(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]]
                    pass_threshold: float = 1.0, num_samples: int = 0,
                    pass_at: tuple[int, ...] | list[int] = (),
                    sampling: SamplingParams | None = None,
-                   timeout_s: float = 30.0, system_prompt: str = "") -> dict[str, float]:
-    """Greedy-decode every prompt (and ``num_samples`` sampled completions each with
-    ``sampling``), score them with ``rewards``, and summarise
-    (`pipeline.evaluation.summarize_scores`)."""
+                   timeout_s: float = 30.0, system_prompt: str = "",
+                   rollout: RolloutFn | None = None) -> dict[str, float]:
+    """Greedy rollouts of every prompt (and ``num_samples`` sampled ones each with
+    ``sampling``), scored with ``rewards``, summarised
+    (`pipeline.evaluation.summarize_scores`). ``rollout``: the run's environment or
+    rollout hook (`workers.hooks.load_rollout`); None = single completions."""
     ids = [render_prompt(tokenizer, p["text"], system_prompt) for p in prompts]
-    greedy = [g[0] for g in await engine.generate(
-        ids, 1, SamplingParams(max_new_tokens, greedy=True))]
+    greedy = [g[0] for g in await rollouts_of(
+        engine, tokenizer, prompts, ids, 1, SamplingParams(max_new_tokens, greedy=True),
+        rollout)]
     scores = await reward_values(rewards, tokenizer, prompts, greedy, timeout_s)
     sampled: list[list[list[float | None]]] = []
     if num_samples > 0:
         params = sampling or SamplingParams(max_new_tokens)
-        groups = await engine.generate(ids, num_samples, params)
+        groups = await rollouts_of(engine, tokenizer, prompts, ids, num_samples, params,
+                                   rollout)
         flat = await reward_values(rewards, tokenizer,
                                    [p for p in prompts for _ in range(num_samples)],
                                    [c for g in groups for c in g], timeout_s)
@@ -106,6 +145,7 @@ class Evaluator:
         self.prompts = task_from_config(cfg, self.tokenizer).heldout(cfg.task.heldout)
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
         self.rewards = load_rewards(cfg, "eval.rewards")
+        self.rollout = load_rollout(cfg)  # episodes, as the generators make them
         g = cfg.generation
         self.sampling = SamplingParams(g.max_new_tokens, temperature=g.temperature,
                                        top_k=g.top_k, top_p=g.top_p)
@@ -122,7 +162,7 @@ class Evaluator:
                              pass_threshold=e.pass_threshold, num_samples=e.num_samples,
                              pass_at=e.pass_at, sampling=self.sampling,
                              timeout_s=self.cfg.scoring.reward_timeout_s,
-                             system_prompt=self.cfg.task.system_prompt)
+                             system_prompt=self.cfg.task.system_prompt, rollout=self.rollout)
         now = time.time()
         self.last = {"version": version, "step": step, "t": now - self.t0, "ts": now,
                      "n": len(self.prompts), **res}

@@ -36,14 +36,14 @@ from pipeline.bus import control
 from pipeline.bus.client import Bus, transient, worker_id
 from pipeline.bus.codec import encode
 from pipeline.bus.ledger import Ledger
-from pipeline.bus.schema import Rollout, RolloutGroup, RunFinished, WeightsPublished
+from pipeline.bus.schema import RolloutGroup, RunFinished, WeightsPublished
 from pipeline.config import Config
 from pipeline.devices import resolve_device
 from pipeline.metrics import start as start_metrics
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, join, set_threads
 from pipeline.transports import WeightError, make_transport
-from workers.engines.base import Completion, Engine, EngineError, SamplingParams
+from workers.engines.base import Engine, EngineError, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.environments.base import EpisodeFailure
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
@@ -54,24 +54,6 @@ from workers.tasks import prompt_for_cursor, task_from_config
 log = logging.getLogger("sluice.generator")
 T = TypeVar("T")
 STOP_GRACE_S = 10.0  # on SIGTERM, how long admitted batches may wait for a usable server
-
-
-def to_rollout(c: Completion | Episode, tokenizer: object) -> Rollout:
-    """The wire form of a completion or an episode; its text is the whole decoded
-    sequence (an episode's: the transcript, environment turns included)."""
-    e = c if isinstance(c, Episode) else Episode.of(c)
-    return Rollout(
-        completion_ids=e.token_ids.astype(np.int32),
-        logprobs=e.logprobs.astype(np.float32),
-        versions=e.versions.astype(np.int32),
-        mask=e.mask.astype(np.uint8),
-        finish_reason=e.finish_reason,
-        text=tokenizer.decode(e.token_ids, skip_special_tokens=True),  # type: ignore[attr-defined]
-        candidate_ids=e.candidate_ids,
-        candidate_counts=e.candidate_counts,
-        messages=e.messages,
-        env_reward=e.env_reward,
-    )
 
 
 def make_engine(cfg: Config, tokenizer: object, seed: int) -> Engine:
@@ -361,7 +343,7 @@ class Generator:
                 group_id=group_id, prompt_index=idx, epoch=epoch, prompt=prompt,
                 prompt_ids=np.asarray(pids, dtype=np.int32), generator=self.wid,
                 t_admit=t_admit, t_done=t_done,
-                rollouts=[to_rollout(x, self.tokenizer) for x in comps])
+                rollouts=[x.to_rollout(self.tokenizer) for x in comps])
             emits.append((c, encode(group), f"emit:{c}:{self.wid}", group.min_version,
                           comps))
         if not emits:

@@ -42,6 +42,7 @@ import numpy as np
 
 from pipeline.advantages import (
     batch_advantages,
+    check_hook_advantages,
     combine_rewards,
     is_zero_variance,
 )
@@ -54,6 +55,7 @@ from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup
 from pipeline.config import Config, ConfigError, RewardSpec
 from pipeline.metrics import start as start_metrics
 from pipeline.runtime import Heartbeat, connect, join, limits
+from workers.hooks import load_hook
 from workers.rewards import (
     RewardError,
     RewardFn,
@@ -75,6 +77,7 @@ class Scorer:
         self.metrics = start_metrics(cfg.metrics, "scorer", self.wid,
                                      groups=[("rollouts", SCORERS_GROUP)], lengths=["rollouts"])
         self.rewards: list[RewardFn] = load_rewards(cfg)
+        self.adv_hook = load_hook(cfg.scoring.advantages, "scoring.advantages")
         self.weights = np.array([r.weight for r in self.rewards], dtype=np.float64)
         self.limits = limits(cfg)
         self.counts = {"scored": 0, "filtered": 0, "dead": 0, "reward_errors": 0,
@@ -126,6 +129,25 @@ class Scorer:
                 raise r
             out.append(r)
         return out
+
+    async def hook_advantages(self, g: RolloutGroup, total: np.ndarray
+                              ) -> tuple[np.ndarray, list[np.ndarray] | None]:
+        """The ``scoring.advantages`` hook's advantages of group ``g`` (checked by
+        `pipeline.advantages.check_hook_advantages`); ``ValueError`` when it raises or
+        returns something else."""
+        assert self.adv_hook is not None
+        columns = {k: v for k, v in g.prompt.items() if k != "text"}
+        kwargs = {**columns, "rewards": [float(x) for x in total],
+                  "completion_ids": [r.completion_ids.tolist() for r in g.rollouts],
+                  "mask": [r.mask.tolist() for r in g.rollouts], "prompt": g.prompt}
+        try:
+            out = self.adv_hook(**kwargs)
+            if asyncio.iscoroutine(out):
+                out = await out
+        except Exception as err:
+            raise ValueError(f"raised {err!r}") from err
+        return check_hook_advantages(out, [len(r.completion_ids) for r in g.rollouts],
+                                     "scoring.advantages")
 
     async def dead(self, bus: Bus, e: Entry, reason: str) -> None:
         gid = peek_group_id(e.fields)
@@ -188,8 +210,19 @@ class Scorer:
             flat = is_zero_variance(total)
             if flat:  # exactly 0, so the trainer can tell it carries no gradient
                 adv = np.zeros_like(adv)
-            self.ledger.write("scored", gid, id=e.id, n=len(total),
-                              adv_sum=round(float(np.sum(adv)), 6))
+            # the audit checks the group-relative advantages are centred (before a hook)
+            adv_sum = round(float(np.sum(adv)), 6)
+            token_adv = None
+            if self.adv_hook is not None:
+                try:
+                    adv, token_adv = await self.hook_advantages(g, total)
+                except ValueError as err:  # the hook's bug: the group's, like a reward's
+                    self.counts["reward_errors"] += 1
+                    await self.dead(bus, e, f"scoring.advantages: {err}")
+                    continue
+                flat = not adv.any() and (token_adv is None or not any(a.any()
+                                                                        for a in token_adv))
+            self.ledger.write("scored", gid, id=e.id, n=len(total), adv_sum=adv_sum)
             if flat and sc.zero_variance == "filter":
                 op = self.op("filtered", e)
                 if await self.ledger.settle(
@@ -202,7 +235,7 @@ class Scorer:
                              reward_parts={rf.name: parts[:, j].astype(np.float32)
                                            for j, rf in enumerate(self.rewards)},
                              advantages=np.asarray(adv, dtype=np.float32), scorer=self.wid,
-                             t_scored=time.time())
+                             t_scored=time.time(), token_advantages=token_adv)
             op = self.op("handoff", e)
             handoffs.append((e.id, encode(sg), op, [{"ev": "handed_off", "gid": gid,
                                                      "id": e.id,

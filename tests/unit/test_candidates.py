@@ -22,7 +22,7 @@ from trainer.loss import candidate_log_softmax, selective_log_softmax
 from trainer.policy import token_logps
 from workers.engines import SamplingParams
 from workers.engines.transformers import TransformersEngine
-from workers.generator import to_rollout
+from workers.episodes import Episode
 
 torch.set_num_threads(1)
 PROMPTS = [[5, 6, 7, 8], [12, 13, 14, 15]]
@@ -65,7 +65,7 @@ def test_on_policy_ratio_is_one_only_with_candidate_sets(model_dir: Path, top_k:
         assert c.candidate_counts.min() >= 1 and c.candidate_counts.sum() == len(c.candidate_ids)
         if top_k:
             assert c.candidate_counts.max() <= top_k or top_p == 1.0
-    sgs = [_scored(i, p, [to_rollout(c, tok) for c in g])
+    sgs = [_scored(i, p, [Episode.of(c).to_rollout(tok) for c in g])
            for i, (p, g) in enumerate(zip(PROMPTS, groups, strict=True))]
     # through the wire and back: the sets survive the codec
     sgs = [decode(encode(sg), Limits(vocab_size=76)) for sg in sgs]
