@@ -206,35 +206,34 @@ class AddTask(_ProceduralTask):
 
 
 class GuessTask:
-    """``"31-38:"`` with a hidden ``answer`` in ``[lo, hi]`` (columns ``lo``, ``hi``): the
-    prompts of the guess-the-number environment (`workers.environments.builtin`).
+    """Games of guess-the-number (`workers.environments.builtin.GuessNumber`): the text
+    ``"4821?"`` is only a game id, the number (``answer``, in [``lo``, ``hi``] = [0, 9]) is
+    hidden, so the model can only find it from the environment's higher/lower answers.
 
-    Ranges have ``lo`` in [0, 90] and a width of 3 to 9. The held-out ranges are a fixed
-    fifth of all ranges (by ``(lo * 7 + width) % 5 == 0``), the training prompts draw from
-    the rest, so no held-out text is a training text; the held-out set has one prompt per
-    held-out range (126), its hidden number drawn from the held-out stream."""
+    Game ids with ``id % 5 == 0`` are held out and the training prompts draw from the
+    others, so no held-out text is a training text; ``heldout(n)`` is a fixed permutation's
+    prefix (2,000 games at most), each game's number drawn from the held-out stream."""
 
     name = "guess"
+    HI = 9
 
     def __init__(self, num_prompts: int = 20000, seed: int = 0) -> None:
-        self.default_rewards = ["workers.rewards:env_reward"]
         self.num_prompts = _check_int("num_prompts", num_prompts, 1)
         self.seed = _check_int("seed", seed, 0)
-        ranges = [(lo, lo + w) for lo in range(91) for w in range(3, 10)]
-        held = [r for r in ranges if (r[0] * 7 + (r[1] - r[0])) % 5 == 0]
-        train = [r for r in ranges if (r[0] * 7 + (r[1] - r[0])) % 5 != 0]
+        self.default_rewards = ["workers.rewards:env_reward"]
         rng = np.random.default_rng([self.seed, _TRAIN_STREAM])
-        pick = rng.integers(0, len(train), size=self.num_prompts)
-        self._train = [(train[i], int(rng.integers(train[i][0], train[i][1] + 1)))
-                       for i in pick.tolist()]
+        games = rng.integers(0, 8000, size=self.num_prompts)
+        games = games + games // 4 + 1  # skips every multiple of 5: 1-4, 6-9, ...
+        self._train = list(zip(games.tolist(),
+                               rng.integers(0, self.HI + 1, size=self.num_prompts).tolist(),
+                               strict=True))
         hrng = np.random.default_rng([self.seed, _HELDOUT_STREAM])
-        order = hrng.permutation(len(held)).tolist()
-        self._heldout = [(held[i], int(hrng.integers(held[i][0], held[i][1] + 1)))
-                         for i in order]
+        held = (hrng.permutation(2000) * 5).tolist()
+        self._heldout = list(zip(held, hrng.integers(0, self.HI + 1, size=2000).tolist(),
+                                 strict=True))
 
-    @staticmethod
-    def _make(r: tuple[int, int], secret: int) -> Prompt:
-        return {"text": f"{r[0]}-{r[1]}:", "answer": str(secret), "lo": r[0], "hi": r[1],
+    def _make(self, game: int, secret: int) -> Prompt:
+        return {"text": f"{game:04d}?", "answer": str(secret), "lo": 0, "hi": self.HI,
                 "task": "guess"}
 
     def __len__(self) -> int:

@@ -164,6 +164,14 @@ def _check_role_inputs(cfg: Config, cmd: str) -> None:
         from workers.tasks import task_from_config
 
         task = task_from_config(cfg, _tokenizer_if_present(cfg))  # data, columns, lengths
+        from workers.hooks import load_filter, load_rollout
+
+        load_rollout(cfg)  # the environment (one instance built) or the rollout hook
+        load_filter(cfg)
+    if cmd in ("score", "up"):
+        from workers.hooks import load_hook
+
+        load_hook(cfg.scoring.advantages, "scoring.advantages")
     if cmd in ("score", "up", "eval"):
         from workers.scorer import check_rewards
 

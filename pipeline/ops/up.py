@@ -209,6 +209,8 @@ class Supervisor:
                 n += w.get("reward_n", 0)
                 reward += w.get("reward_sum", 0.0)
                 exact += w.get("part_sums", {}).get("exact_match", 0.0)
+        if self.samples and n < self.samples[-1].n:
+            return  # a scorer left (its heartbeat is gone): its counts are not lost work
         self.samples.append(Sample(time.time() - self.t0, int(n), reward, exact))
 
     def recent(self, window_n: int = 256) -> tuple[float | None, float | None]:
