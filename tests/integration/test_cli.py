@@ -142,6 +142,18 @@ BAD_START_FILES: dict[str, str | bytes] = {
         (["up", "{tmp}/ok.toml", "--set", "run.output_dir={tmp}/run", "--set",
           "eval.rewards=[{{fn='workers.rewards:nope'}}]"],
          ["eval.rewards.0.fn:", "has no attribute 'nope'"]),
+        (["up", "{tmp}/ok.toml", "--set", "run.output_dir={tmp}/run", "--set",
+          "environment.name=nosuch_pkg.envs:Game"],
+         ["environment.name:", "cannot import module 'nosuch_pkg.envs'"]),
+        (["generate", "{tmp}/ok.toml", "--set", "run.output_dir={tmp}/run", "--set",
+          "environment.name=workers.environments.builtin:GuessNumber", "--set",
+          "environment.kwargs={{bogus=1}}", "--set", "task.name=guess"],
+         ["environment.kwargs:", "unexpected keyword argument 'bogus'"]),
+        (["up", "{tmp}/ok.toml", "--set", "run.output_dir={tmp}/run", "--set",
+          "generation.rollout=workers.episodes:nope"],
+         ["generation.rollout:", "has no attribute 'nope'"]),
+        (["score", "{tmp}/ok.toml", "--set", "scoring.advantages=pipeline.advantages:nope"],
+         ["scoring.advantages:", "has no attribute 'nope'"]),
     ],
     ids=["bad-toml", "not-utf8", "config-is-a-directory", "wrong-type-in-file",
          "wrong-type-in-set", "out-of-range-in-file", "unknown-section", "unknown-key-in-set",
@@ -151,7 +163,8 @@ BAD_START_FILES: dict[str, str | bytes] = {
          "reward-module-missing", "reward-function-missing", "reward-path-malformed",
          "reward-cannot-be-called", "up-probes-rewards-first", "up-unknown-column",
          "dataset-missing", "hf-without-dataset", "eval-reward-cannot-be-called",
-         "up-checks-eval-rewards"],
+         "up-checks-eval-rewards", "environment-missing", "environment-kwargs-refused",
+         "rollout-hook-missing", "advantages-hook-missing"],
 )
 def test_bad_start_exits_2_naming_the_problem_without_a_traceback(
         tmp_path: Path, args: list[str], needles: list[str]) -> None:

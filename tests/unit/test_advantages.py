@@ -151,3 +151,29 @@ def test_is_zero_variance() -> None:
     assert is_zero_variance(np.array([2.0]))
     with pytest.raises(ValueError):
         is_zero_variance(np.array([1.0, NAN]))
+
+
+def test_rloo_is_leave_one_out_and_sums_to_zero() -> None:
+    from pipeline.advantages import rloo
+
+    r = [1.0, 0.0, 0.5, 0.5]
+    got = rloo(rewards=r)
+    want = [r[i] - (sum(r) - r[i]) / 3 for i in range(4)]  # by the definition
+    assert got == pytest.approx(want) and sum(got) == pytest.approx(0.0)
+    assert rloo(rewards=[2.0]) == [0.0]
+
+
+def test_check_hook_advantages_accepts_rows_or_tokens_and_names_the_problem() -> None:
+    from pipeline.advantages import check_hook_advantages
+
+    adv, tok = check_hook_advantages([0.5, -0.5], [3, 2], "h")
+    assert adv.tolist() == [0.5, -0.5] and tok is None
+    adv, tok = check_hook_advantages([[1.0, 0.0, 2.0], [-1.0, -1.0]], [3, 2], "h")
+    assert tok is not None and [t.tolist() for t in tok] == [[1.0, 0.0, 2.0], [-1.0, -1.0]]
+    assert adv.tolist() == pytest.approx([1.0, -1.0])
+    with pytest.raises(ValueError, match="must return 2 advantages"):
+        check_hook_advantages([1.0], [3, 2], "h")
+    with pytest.raises(ValueError, match="rollout 1 has 2 tokens but 3"):
+        check_hook_advantages([[1.0, 0.0, 2.0], [1.0, 1.0, 1.0]], [3, 2], "h")
+    with pytest.raises(ValueError, match="non-finite"):
+        check_hook_advantages([float("nan"), 0.0], [3, 2], "h")
