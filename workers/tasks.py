@@ -212,7 +212,7 @@ class GuessTask:
     Ranges have ``lo`` in [0, 90] and a width of 3 to 9. The held-out ranges are a fixed
     fifth of all ranges (by ``(lo * 7 + width) % 5 == 0``), the training prompts draw from
     the rest, so no held-out text is a training text; the held-out set has one prompt per
-    held-out range (126), its hidden number drawn from the held-out stream."""
+    held-out range (127), its hidden number drawn from the held-out stream."""
 
     name = "guess"
 
