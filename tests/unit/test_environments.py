@@ -198,7 +198,11 @@ def test_scripted_episode_is_exact(char: tuple[TransformersEngine, Any]) -> None
     engine, tok = char
     spy = Spy(engine)
     make, built = factory_of(Scripted, "ab", SCRIPT)
-    r = runner(make)
+
+    async def amake() -> Scripted:  # async: a plain factory runs in a thread, whose timing
+        return make()  # would let the episodes drift apart and split their batches
+
+    r = runner(amake)
     ctx = context(spy, tok, n=3)
     group = asyncio.run(r.group(ctx))
     assert len(group) == 3 and len(built) == 3  # one fresh environment per episode
