@@ -6,7 +6,8 @@ environment's ``step``, whose observation is tokenised and inserted (mask 0), un
 environment says ``done`` (the episode ends ``stop``), ``environment.max_turns`` model
 turns have been taken, or the episode's tokens reach ``environment.max_episode_tokens``
 (it ends ``length``; the model's last turn is cut to fit, and an observation that does
-not fit ends the episode there, or with ``overflow = "dead"`` retires the group). All
+not fit ends the episode there, or with ``overflow = "dead"`` retires the group). The
+observation of the last allowed turn's step is not inserted: no model turn answers it. All
 ``n`` episodes of a group run concurrently; any `EpisodeFailure` (the environment raised,
 timed out or returned something invalid) fails the group, which the generator retires
 ``dead`` with the reason.
@@ -179,6 +180,8 @@ class EnvironmentRunner:
                 rewards[k] = rewards.get(k, 0.0) + v
             if res.done:
                 finish = "stop"
+                break
+            if turn + 1 == self.max_turns:  # no model turn follows: nothing to observe for
                 break
             if res.observation and not self._insert(b, messages, res.observation, tok,
                                                     after_eos=c.finish_reason == "stop"):
