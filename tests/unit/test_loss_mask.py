@@ -36,8 +36,7 @@ from trainer.policy import (
     token_logps,
 )
 from workers.engines.base import Completion
-from workers.episodes import EpisodeBuilder
-from workers.generator import to_rollout
+from workers.episodes import Episode, EpisodeBuilder
 
 torch.set_num_threads(1)
 
@@ -504,3 +503,8 @@ def test_to_rollout_keeps_the_episode_mask() -> None:
     assert r.mask.tolist() == [1, 0, 0] and r.logprobs.tolist() == [-1.0, 0.0, 0.0]
     assert r.messages == e.messages and r.finish_reason == "stop"
     assert to_rollout(turn([7, 8], [-0.5, -0.25]), _NoTok()).mask.tolist() == [1, 1]
+
+
+def to_rollout(x: Any, tok: Any) -> Any:
+    """An episode (or a lone completion) on the wire, as the generator appends it."""
+    return (x if isinstance(x, Episode) else Episode.of(x)).to_rollout(tok)
