@@ -210,6 +210,9 @@ class RolloutContext:
     tokenizer: Any
     batcher: TurnBatcher
     version: int = 0
+    conversation: Messages | None = None  # the prompt as messages, when ``prompt_ids`` are
+    # a chat template's rendering without the generation prompt (episodes of an
+    # environment: `workers.environments.runner.episode_prompt`)
 
     async def generate(self, ids: Sequence[int], max_new_tokens: int | None = None
                        ) -> Completion:

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.bus import control
@@ -40,8 +41,8 @@ from pipeline.transports import WeightError, make_transport
 from workers.engines.base import Engine, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
-from workers.hooks import RolloutFn, load_rollout
-from workers.prompts import render_prompt
+from workers.hooks import RolloutFn, load_rollout, render_group_prompt
+from workers.prompts import Messages, render_prompt
 from workers.rewards import RewardFn, episode_inputs, reward_matrix
 from workers.scorer import load_rewards
 from workers.tasks import task_from_config
@@ -72,7 +73,9 @@ async def reward_values(rewards: list[RewardFn], tokenizer: Any, prompts: list[d
 
 async def rollouts_of(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]],
                       ids: list[list[int]], n: int, params: SamplingParams,
-                      rollout: RolloutFn | None) -> list[list[Episode | None]]:
+                      rollout: RolloutFn | None,
+                      convs: list[Messages | None] | None = None
+                      ) -> list[list[Episode | None]]:
     """``n`` rollouts per prompt: completions of one batched ``generate``, or episodes of
     the run's environment / rollout hook (as a generator makes them, with ``params``:
     greedy ones for pass@1). A prompt whose episodes fail gives None rollouts (logged):
@@ -81,15 +84,19 @@ async def rollouts_of(engine: Engine, tokenizer: Any, prompts: list[dict[str, An
         return [[Episode.of(c) for c in g] for g in await engine.generate(ids, n, params)]
     batcher = TurnBatcher(engine)
 
-    async def one(p: dict[str, Any], pids: list[int]) -> list[Episode | None]:
-        ctx = RolloutContext(p, pids, n, params, tokenizer, batcher, engine.version)
+    async def one(p: dict[str, Any], pids: list[int], conv: Messages | None
+                  ) -> list[Episode | None]:
+        ctx = RolloutContext(p, pids, n, params, tokenizer, batcher, engine.version,
+                             conversation=conv)
         try:
             return list(check_episodes(await rollout(dict(p), ctx), n, "rollout"))
         except Exception as e:  # a broken episode fails its prompt, not the evaluation
             log.warning("held-out prompt %r: rollouts failed: %r", p.get("text"), e)
             return [None] * n
 
-    return list(await asyncio.gather(*(one(p, i) for p, i in zip(prompts, ids, strict=True))))
+    convs = convs or [None] * len(prompts)
+    return list(await asyncio.gather(*(one(p, i, c) for p, i, c in zip(prompts, ids, convs,
+                                                                        strict=True))))
 
 
 async def evaluate(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]],
@@ -98,21 +105,27 @@ async def evaluate(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]]
                    pass_at: tuple[int, ...] | list[int] = (),
                    sampling: SamplingParams | None = None,
                    timeout_s: float = 30.0, system_prompt: str = "",
-                   rollout: RolloutFn | None = None) -> dict[str, float]:
+                   rollout: RolloutFn | None = None,
+                   render: Callable[[Any], tuple[list[int], Messages | None]] | None = None,
+                   ) -> dict[str, float]:
     """Greedy rollouts of every prompt (and ``num_samples`` sampled ones each with
     ``sampling``), scored with ``rewards``, summarised
     (`pipeline.evaluation.summarize_scores`). ``rollout``: the run's environment or
-    rollout hook (`workers.hooks.load_rollout`); None = single completions."""
-    ids = [render_prompt(tokenizer, p["text"], system_prompt) for p in prompts]
+    rollout hook (`workers.hooks.load_rollout`); None = single completions. ``render``:
+    a prompt's ids and conversation as the generators render them
+    (`workers.hooks.render_group_prompt`); default `render_prompt`'s."""
+    rendered = [render(p["text"]) if render else
+                (render_prompt(tokenizer, p["text"], system_prompt), None) for p in prompts]
+    ids, convs = [r[0] for r in rendered], [r[1] for r in rendered]
     greedy = [g[0] for g in await rollouts_of(
         engine, tokenizer, prompts, ids, 1, SamplingParams(max_new_tokens, greedy=True),
-        rollout)]
+        rollout, convs)]
     scores = await reward_values(rewards, tokenizer, prompts, greedy, timeout_s)
     sampled: list[list[list[float | None]]] = []
     if num_samples > 0:
         params = sampling or SamplingParams(max_new_tokens)
         groups = await rollouts_of(engine, tokenizer, prompts, ids, num_samples, params,
-                                   rollout)
+                                   rollout, convs)
         flat = await reward_values(rewards, tokenizer,
                                    [p for p in prompts for _ in range(num_samples)],
                                    [c for g in groups for c in g], timeout_s)
@@ -162,7 +175,9 @@ class Evaluator:
                              pass_threshold=e.pass_threshold, num_samples=e.num_samples,
                              pass_at=e.pass_at, sampling=self.sampling,
                              timeout_s=self.cfg.scoring.reward_timeout_s,
-                             system_prompt=self.cfg.task.system_prompt, rollout=self.rollout)
+                             system_prompt=self.cfg.task.system_prompt, rollout=self.rollout,
+                             render=lambda text: render_group_prompt(self.cfg, self.tokenizer,
+                                                                     text))
         now = time.time()
         self.last = {"version": version, "step": step, "t": now - self.t0, "ts": now,
                      "n": len(self.prompts), **res}

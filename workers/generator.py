@@ -47,8 +47,8 @@ from workers.engines.base import Engine, EngineError, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.environments.base import EpisodeFailure
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
-from workers.hooks import load_filter, load_rollout
-from workers.prompts import render_prompt
+from workers.hooks import load_filter, load_rollout, render_group_prompt
+from workers.prompts import Messages
 from workers.tasks import prompt_for_cursor, task_from_config
 
 log = logging.getLogger("sluice.generator")
@@ -244,8 +244,8 @@ class Generator:
             if msg is not None:
                 await self.apply(msg)
 
-    async def _generate(self, prompts: list[dict[str, Any]], prompt_ids: list[list[int]]
-                        ) -> list[list[Episode] | str]:
+    async def _generate(self, prompts: list[dict[str, Any]], prompt_ids: list[list[int]],
+                        convs: list[Messages | None]) -> list[list[Episode] | str]:
         """Rollouts per prompt, or the reason a prompt's group failed for good.
 
         Single completions: an engine with independent requests (vLLM: one request per
@@ -255,9 +255,9 @@ class Generator:
         something else than its episodes) is that group's alone."""
         n = self.cfg.generation.num_generations
         if self.rollout is not None:
-            return list(await asyncio.gather(*(self._episodes(p, ids)
-                                               for p, ids in zip(prompts, prompt_ids,
-                                                                 strict=True))))
+            return list(await asyncio.gather(*(self._episodes(p, ids, conv)
+                                               for p, ids, conv in zip(prompts, prompt_ids,
+                                                                       convs, strict=True))))
         if not getattr(self.engine, "independent_prompts", False):
             out = await self.engine.generate(prompt_ids, n, self.params)
             return [[Episode.of(c) for c in g] for g in out]
@@ -271,11 +271,12 @@ class Generator:
 
         return list(await asyncio.gather(*(one(p) for p in prompt_ids)))
 
-    async def _episodes(self, prompt: dict[str, Any], ids: list[int]) -> list[Episode] | str:
+    async def _episodes(self, prompt: dict[str, Any], ids: list[int],
+                        conv: Messages | None) -> list[Episode] | str:
         assert self.rollout is not None
         n = self.cfg.generation.num_generations
         ctx = RolloutContext(prompt, ids, n, self.params, self.tokenizer, self.batcher,
-                             self.engine.version)
+                             self.engine.version, conversation=conv)
         what = "the environment" if self.cfg.environment.name else "generation.rollout"
         try:
             return check_episodes(await self.rollout(dict(prompt), ctx), n, what)
@@ -317,15 +318,16 @@ class Generator:
         if not cursors:
             return
         t_admit = time.time()
-        metas, prompt_ids = [], []
+        metas, prompt_ids, convs = [], [], []
         for c in cursors:
             epoch, idx = prompt_for_cursor(c, len(self.task), self.cfg.run.seed)
             prompt = self.task.prompt(idx)
             metas.append((c, epoch, idx, prompt))
-            prompt_ids.append(render_prompt(self.tokenizer, prompt["text"],
-                                            self.cfg.task.system_prompt))
+            ids, conv = render_group_prompt(self.cfg, self.tokenizer, prompt["text"])
+            prompt_ids.append(ids)
+            convs.append(conv)
         with self.metrics.timed("perf_generate_seconds"):
-            results = await self._generate([m[3] for m in metas], prompt_ids)
+            results = await self._generate([m[3] for m in metas], prompt_ids, convs)
         t_done = time.time()
         emits: list[tuple[int, bytes, str, int, list[Episode]]] = []
         for (c, epoch, idx, prompt), pids, comps in zip(metas, prompt_ids, results, strict=True):

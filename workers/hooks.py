@@ -18,8 +18,9 @@ from typing import Any
 
 from pipeline.config import Config, ConfigError
 from pipeline.imports import load_callable
-from workers.environments.runner import EnvironmentRunner
+from workers.environments.runner import EnvironmentRunner, episode_prompt
 from workers.episodes import Episode, RolloutContext
+from workers.prompts import Messages, render_prompt
 
 RolloutFn = Callable[[dict[str, Any], RolloutContext], Awaitable[list[Episode]]]
 
@@ -51,3 +52,12 @@ def load_hook(path: str, key: str) -> Callable[..., Any] | None:
         return load_callable(path, key)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def render_group_prompt(cfg: Config, tokenizer: Any, prompt: Any
+                        ) -> tuple[list[int], Messages | None]:
+    """A group's prompt ids (and, for an environment's episodes under a chat template, the
+    conversation they render without the generation prompt: `episode_prompt`)."""
+    if cfg.environment.name:
+        return episode_prompt(tokenizer, prompt, cfg.task.system_prompt)
+    return render_prompt(tokenizer, prompt, cfg.task.system_prompt), None

@@ -27,7 +27,12 @@ from workers.environments.builtin import (
     char_match,
     evaluate_expression,
 )
-from workers.environments.runner import EnvironmentRunner, observation_ids, observation_text
+from workers.environments.runner import (
+    EnvironmentRunner,
+    episode_prompt,
+    observation_ids,
+    observation_text,
+)
 from workers.episodes import Episode, RolloutContext, TurnBatcher
 from workers.prompts import render_prompt
 from workers.tasks import GuessTask
@@ -87,7 +92,8 @@ class ScriptedEngine:
 def context(engine: Any, tok: Any, n: int = 1, params: SamplingParams = GREEDY,
             prompt: dict[str, Any] | None = None) -> RolloutContext:
     p = dict(prompt or PROMPT)
-    return RolloutContext(p, render_prompt(tok, p["text"]), n, params, tok, TurnBatcher(engine))
+    ids, conv = episode_prompt(tok, p["text"])  # as the generator renders a group's prompt
+    return RolloutContext(p, ids, n, params, tok, TurnBatcher(engine), conversation=conv)
 
 
 def runner(factory: Callable[[], Any], **kw: Any) -> EnvironmentRunner:
@@ -469,17 +475,18 @@ def test_observation_that_does_not_fit_ends_the_episode_or_the_group(
         _budget(tok, 6, overflow="dead")
 
 
-def test_a_reset_observation_that_does_not_fit(char: tuple[TransformersEngine, Any]) -> None:
-    """No room for the first turn: an empty ``length`` episode (check_episodes then
-    retires the group: nothing to train on), or ``dead`` at once."""
+@pytest.mark.parametrize("overflow", ["truncate", "dead"])
+def test_a_reset_observation_that_does_not_fit(char: tuple[TransformersEngine, Any],
+                                               overflow: str) -> None:
+    """No room for the first turn: nothing to train on, so the group fails with a reason
+    naming the cause, whatever ``overflow`` says (it is about later observations)."""
     _, tok = char
     eng = ScriptedEngine([[10]])
     env = Scripted("abcdefgh", [StepResult(None, 1.0, True)])
-    (e,) = asyncio.run(runner(lambda: env, max_episode_tokens=8).group(context(eng, tok)))
-    assert len(e) == 0 and e.finish_reason == "length" and not env.actions
-    with pytest.raises(EpisodeFailure, match="an observation of 8 tokens"):
-        asyncio.run(runner(lambda: env, max_episode_tokens=8, overflow="dead")
+    with pytest.raises(EpisodeFailure, match="reset observation does not fit"):
+        asyncio.run(runner(lambda: env, max_episode_tokens=8, overflow=overflow)
                     .group(context(eng, tok)))
+    assert not env.actions
 
 
 # ---------------------------------------------------------------- (d) chat template
@@ -563,9 +570,6 @@ def test_runner_episode_renders_as_the_template_renders_its_messages(bpe_dir: Pa
     assert eng.contexts == [ctx.prompt_ids + e.token_ids[:s].tolist() for s in starts]
 
 
-@pytest.mark.xfail(strict=True, reason="a reset observation is inserted after the prompt's "
-                   "generation prompt, so the tokens hold an empty assistant turn that the "
-                   "episode's messages do not (design question for the runner)")
 def test_reset_observation_renders_as_the_template_renders_its_messages(bpe_dir: Path) -> None:
     tok = load_tokenizer(bpe_dir)
     eos = tok.eos_token_id

@@ -12,7 +12,11 @@ observation of the last allowed turn's step is not inserted: no model turn answe
 timed out or returned something invalid) fails the group, which the generator retires
 ``dead`` with the reason.
 
-Observations are tokenised as the chat template renders them (`observation_ids`).
+Observations are tokenised as the chat template renders them (`observation_ids`); with
+a chat template a group's prompt is rendered without the generation prompt and each
+episode opens with its own mask-0 segment (the reset observation, then the generation
+prompt: `episode_prompt`, `opening_text`), so an episode's tokens are exactly the
+template's rendering of its messages.
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ from workers.environments.base import (
     step_result,
 )
 from workers.episodes import Episode, RolloutContext
-from workers.prompts import Messages
+from workers.prompts import Messages, messages_of, render_prompt
 
 log = logging.getLogger("sluice.environments")
 
-_PROBE_USER, _PROBE_ASSISTANT = "u", "a"
+_PROBE_USER, _PROBE_ASSISTANT = "u", "sluice-probe-7f3a"
 
 
 def _template(tokenizer: Any, messages: Messages, generation_prompt: bool) -> str:
@@ -83,6 +87,35 @@ def observation_ids(tokenizer: Any, obs: str | Messages, *, role: str,
     """Token ids of `observation_text` (no special tokens added around them)."""
     text = observation_text(tokenizer, obs, role=role, after_eos=after_eos)
     return list(tokenizer(text, add_special_tokens=False).input_ids) if text else []
+
+
+def episode_prompt(tokenizer: Any, prompt: str | Messages, system_prompt: str = ""
+                   ) -> tuple[list[int], Messages | None]:
+    """A group's prompt ids for episodes, and the conversation they render.
+
+    With a chat template the prompt is rendered *without* the generation prompt: each
+    episode opens with its own mask-0 segment (`opening_text`: the reset observation, if
+    any, as a turn of its own, then the generation prompt), so the tokens are exactly the
+    template's rendering of the episode's messages. Without one: `render_prompt`'s ids
+    and None (observations follow the prompt as plain text)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return render_prompt(tokenizer, prompt, system_prompt), None
+    conv = messages_of(prompt, system_prompt)
+    text = _template(tokenizer, conv, False)
+    return list(tokenizer(text, add_special_tokens=False).input_ids), conv
+
+
+def opening_text(tokenizer: Any, conversation: Messages, obs: Observation, *,
+                 role: str) -> str:
+    """What follows `episode_prompt`'s ids before the model's first turn: the reset
+    observation as ``role`` turn(s) (none for None) and the generation prompt."""
+    base = _template(tokenizer, conversation, False)
+    extra = observation_messages(obs, role) if obs else []
+    full = _template(tokenizer, conversation + extra, True)
+    if not full.startswith(base):
+        raise EpisodeFailure("the chat template renders the prompt differently once an "
+                             "observation follows; it cannot be extended turn by turn")
+    return full[len(base):]
 
 
 async def _close(env: Any, timeout_s: float) -> None:
@@ -161,9 +194,24 @@ class EnvironmentRunner:
         obs = check_observation(await call(env.reset, dict(ctx.prompt), timeout_s=t,
                                            what="reset"), "reset")
         finish = "length"
-        if obs:
-            if not self._insert(b, messages, obs, tok, after_eos=False):
-                return b.finish("length", messages=messages, env_reward=rewards)
+        if ctx.conversation is not None:  # a chat template: the episode's own opening
+            ids = list(tok(opening_text(tok, ctx.conversation, obs, role=self.role),
+                           add_special_tokens=False).input_ids)
+            if len(ids) >= self.max_episode_tokens:
+                raise EpisodeFailure(f"the episode's opening (reset observation and "
+                                     f"generation prompt) is {len(ids)} tokens, no room in "
+                                     f"environment.max_episode_tokens "
+                                     f"({self.max_episode_tokens})")
+            b.add_context(ids)
+            if obs:
+                messages.extend(observation_messages(obs, self.role))
+        elif obs:
+            ids = observation_ids(tok, obs, role=self.role, after_eos=False)
+            if len(ids) >= self.max_episode_tokens:  # no room for a model turn after it
+                raise EpisodeFailure(f"the reset observation does not fit "
+                                     f"environment.max_episode_tokens "
+                                     f"({self.max_episode_tokens}): {len(ids)} tokens")
+            self._insert(b, messages, obs, tok, after_eos=False)
         for turn in range(self.max_turns):
             room = self.max_episode_tokens - len(b)
             if room <= 0:
