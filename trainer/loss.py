@@ -227,10 +227,11 @@ def grpo_loss(
 
     Shapes: ``logps``/``old_logps``/``behaviour_logps``/``ref_logps``/``mask`` ``[B, T]``,
     ``advantages`` ``[B]`` (one per row) or ``[B, T]`` (per token: on-policy distillation,
-    a per-token advantage hook; read at mask-1 tokens only). ``mask`` is bool or 0/1; 0 = not trained (padding, inserted
-    context). Metrics: ``clip_ratio/{low,high,region}_mean``, ``is_ratio/{min,mean,max}``
-    (raw token ratios ``exp(old - behaviour)``; NaN when no token is masked in),
-    ``logprob_diff/mean_abs`` and ``kl`` (0.0 when beta is 0), all over masked tokens.
+    a per-token advantage hook; read at mask-1 tokens only). ``mask`` is bool or 0/1;
+    0 = not trained (padding, inserted context). Metrics:
+    ``clip_ratio/{low,high,region}_mean``, ``is_ratio/{min,mean,max}`` (raw token ratios
+    ``exp(old - behaviour)``; NaN when no token is masked in), ``logprob_diff/mean_abs``
+    and ``kl`` (0.0 when beta is 0), all over masked tokens.
     """
     if logps.dim() != 2:
         raise ValueError(f"logps must be [B, T], got shape {tuple(logps.shape)}")
