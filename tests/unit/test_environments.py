@@ -633,14 +633,35 @@ def _step(env: Any, text: str, turn: int) -> StepResult:
 
 
 def test_tool_arithmetic_call_then_answer() -> None:
+    """A right call earns ``call`` (0.2); turn 0 earns ``format`` (0.1 x the share of digit
+    and operator characters); the final answer earns ``answer``. Every step has all three."""
     env = ToolArithmetic()
     assert asyncio.run(env.reset({"answer": 168})) is None
     r = _step(env, "123+45", 0)
-    assert r.observation == [{"role": "tool", "content": "=168"}]
-    assert (r.reward, r.done) == ({"answer": 0.0}, False)
-    r = _step(env, " 168\n", 1)
-    assert (r.observation, r.reward, r.done, r.info) == (None, {"answer": 1.0}, True,
-                                                         {"calls": 1})
+    assert r.observation == [{"role": "tool", "content": "=168"}] and not r.done
+    assert r.reward == {"answer": 0.0, "call": 0.2, "format": 0.1}
+    r = _step(env, " 168\n", 1)  # stripped; no format credit after turn 0
+    assert (r.observation, r.reward, r.done, r.info) == (
+        None, {"answer": 1.0, "call": 0.0, "format": 0.0}, True, {"calls": 1})
+
+
+def test_tool_arithmetic_call_credit_once_and_only_for_a_right_result() -> None:
+    env = ToolArithmetic(max_calls=4, call_weight=0.5, format_weight=0.4)
+    asyncio.run(env.reset({"answer": "12"}))
+    r = _step(env, "2+3", 0)  # a wrong result: no call credit; turn 0: full format credit
+    assert r.observation == [{"role": "tool", "content": "=5"}]
+    assert r.reward == {"answer": 0.0, "call": 0.0, "format": 0.4}
+    r = _step(env, "3*4", 1)  # the right result: call_weight, once
+    assert r.observation == [{"role": "tool", "content": "=12"}]
+    assert r.reward == {"answer": 0.0, "call": 0.5, "format": 0.0}
+    r = _step(env, "20-8", 2)  # right again: already paid
+    assert r.observation == [{"role": "tool", "content": "=12"}] and not r.done
+    assert r.reward == {"answer": 0.0, "call": 0.0, "format": 0.0}
+    r = _step(env, "13", 3)  # a wrong final answer: half its characters match
+    assert r.done and r.info == {"calls": 3}
+    assert r.reward == {"answer": 0.5, "call": 0.0, "format": 0.0}
+    asyncio.run(env.reset({"answer": "12"}))  # a new episode may earn it again
+    assert _step(env, "6+6", 0).reward == {"answer": 0.0, "call": 0.5, "format": 0.4}
 
 
 @pytest.mark.parametrize(("answer", "got", "reward"), [
@@ -650,97 +671,217 @@ def test_tool_arithmetic_wrong_answer_is_a_partial_char_match(answer: str, got: 
                                                               reward: float) -> None:
     env = ToolArithmetic()
     asyncio.run(env.reset({"answer": answer}))
-    r = _step(env, got, 0)
-    assert r.done and r.reward == {"answer": pytest.approx(reward)}
+    r = _step(env, got, 0)  # digits and "-" only: the full format credit on turn 0
+    assert r.done and r.info == {"calls": 0}
+    assert r.reward == {"answer": pytest.approx(reward), "call": 0.0, "format": 0.1}
     assert char_match(got, answer) == pytest.approx(reward) and char_match("", "") == 1.0
+    asyncio.run(env.reset({"answer": answer}))
+    assert _step(env, got, 1).reward == {"answer": pytest.approx(reward), "call": 0.0,
+                                         "format": 0.0}
 
 
 def test_tool_arithmetic_invalid_turn_and_too_many_calls_end_with_nothing() -> None:
+    """An invalid turn ends the episode with no answer or call credit; on turn 0 it keeps
+    the format credit of its digit/operator share."""
     env = ToolArithmetic()
     asyncio.run(env.reset({"answer": "5"}))
-    r = _step(env, "the answer is 5", 0)
-    assert r.done and r.reward == {"answer": 0.0} and r.info["invalid"] == "the answer is 5"
+    r = _step(env, "the answer is 5", 0)  # 1 digit of 15 characters
+    assert r.done and r.observation is None
+    assert r.reward == {"answer": 0.0, "call": 0.0, "format": pytest.approx(0.1 / 15)}
+    assert r.info == {"calls": 0, "invalid": "the answer is 5"}
+    asyncio.run(env.reset({"answer": "5"}))
+    r = _step(env, "2+3=5", 0)  # not an expression; 4 of its 5 characters count
+    assert r.done and r.reward == {"answer": 0.0, "call": 0.0, "format": pytest.approx(0.08)}
+    asyncio.run(env.reset({"answer": "5"}))
+    r = _step(env, "x" * 50, 0)
+    assert r.done and r.reward == {"answer": 0.0, "call": 0.0, "format": 0.0}
+    assert r.info["invalid"] == "x" * 40
     env = ToolArithmetic(max_calls=1)
     asyncio.run(env.reset({"answer": "5"}))
-    assert not _step(env, "2+3", 0).done
-    r = _step(env, "1+4", 1)  # a second call: over max_calls
-    assert r.done and r.reward == {"answer": 0.0} and r.observation is None
+    r = _step(env, "2+2", 0)
+    assert not r.done and r.reward == {"answer": 0.0, "call": 0.0, "format": 0.1}
+    r = _step(env, "1+4", 1)  # a second call: over max_calls, so its right result earns 0
+    assert r.done and r.observation is None
+    assert r.reward == {"answer": 0.0, "call": 0.0, "format": 0.0}
     assert r.info == {"calls": 1, "invalid": "1+4"}
+    asyncio.run(env.reset({"answer": "5"}))
+    # an invalid turn after turn 0 has no format credit either
+    assert _step(env, "hello", 1).reward == {"answer": 0.0, "call": 0.0, "format": 0.0}
     with pytest.raises(ValueError, match="max_calls must be >= 1"):
         ToolArithmetic(max_calls=0)
 
 
 def test_tool_arithmetic_through_the_runner(char: tuple[TransformersEngine, Any]) -> None:
-    """A scripted model calls the tool, then answers: reward 1.0, the tool turn mask 0."""
+    """A scripted model makes a wrong call, a right call, then answers: the parts summed
+    over the episode (format 0.1 from turn 0, call 0.2 once, answer 1.0); the tool turns
+    mask 0."""
     _, tok = char
 
     def ids(s: str) -> list[int]:
         return list(tok(s, add_special_tokens=False).input_ids)
 
-    eng = ScriptedEngine([ids("2+3"), ids("5")])
+    eng = ScriptedEngine([ids("1+1"), ids("2+3"), ids("5")])
     ctx = context(eng, tok, prompt={"text": "2+3=", "answer": "5"})
     (e,) = asyncio.run(runner(ToolArithmetic, observation_role="tool").group(ctx))
-    assert e.finish_reason == "stop" and e.turns == 2 and e.env_reward == {"answer": 1.0}
-    assert tok.decode(e.token_ids.tolist()) == "2+3=55"
-    assert e.mask.tolist() == [1, 1, 1, 0, 0, 1]
-    assert e.messages == [{"role": "assistant", "content": "2+3"},
+    assert e.finish_reason == "stop" and e.turns == 3
+    assert e.env_reward == {"answer": 1.0, "call": pytest.approx(0.2),
+                            "format": pytest.approx(0.1)}
+    assert tok.decode(e.token_ids.tolist()) == "1+1=22+3=55"
+    assert e.mask.tolist() == [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1]
+    assert e.messages == [{"role": "assistant", "content": "1+1"},
+                          {"role": "tool", "content": "=2"},
+                          {"role": "assistant", "content": "2+3"},
                           {"role": "tool", "content": "=5"},
                           {"role": "assistant", "content": "5"}]
+    # the model's first turn is prose: the episode ends at once with its format share
+    eng = ScriptedEngine([ids("a5")])
+    (e,) = asyncio.run(runner(ToolArithmetic, observation_role="tool")
+                       .group(context(eng, tok, prompt={"text": "2+3=", "answer": "5"})))
+    assert e.finish_reason == "stop" and e.turns == 1 and e.mask.tolist() == [1, 1]
+    assert e.env_reward == {"answer": 0.0, "call": 0.0, "format": pytest.approx(0.05)}
 
 
 def test_guess_number_hints_and_rewards() -> None:
-    env = GuessNumber(penalty=0.15, format_weight=0.2)
-    asyncio.run(env.reset({"answer": "35"}))
-    r = _step(env, "30", 0)
-    assert (r.observation, r.done, r.reward) == ("+", False, {"found": 0.0, "format": 0.2})
-    r = _step(env, "40", 1)
-    assert (r.observation, r.done, r.reward) == ("-", False, {"found": 0.0, "format": 0.0})
-    r = _step(env, "35", 2)  # found at turn 2: 1 - 2 * 0.15; format only on turn 0
+    """Secret 7: "2" (distance 5: near 0.3 x 0.5 = 0.15, and format 0.1 on turn 0), "9"
+    (distance 2: near 0.24, paid as +0.09), "7" at turn 2: found 1 - 2 x 0.15 = 0.7."""
+    env = GuessNumber()
+    assert asyncio.run(env.reset({"answer": "7"})) is None
+    r = _step(env, "2", 0)
+    assert (r.observation, r.done) == ("+", False)
+    assert r.reward == {"found": 0.0, "format": 0.1, "near": pytest.approx(0.15)}
+    r = _step(env, "9", 1)
+    assert (r.observation, r.done) == ("-", False)
+    assert r.reward == {"found": 0.0, "format": 0.0, "near": pytest.approx(0.09)}
+    r = _step(env, "7", 2)  # found at turn 2; format only on turn 0; no near when found
     assert r.done and r.observation is None and r.info == {"guesses": 3}
-    assert r.reward == {"found": pytest.approx(0.7), "format": 0.0}
+    assert r.reward == {"found": pytest.approx(0.7), "format": 0.0, "near": 0.0}
     asyncio.run(env.reset({"answer": "7"}))
-    assert _step(env, "7", 0).reward == {"found": 1.0, "format": 0.2}
-    assert _step(env, "7", 20).reward == {"found": 0.25, "format": 0.0}  # the floor
+    assert _step(env, "7", 0).reward == {"found": 1.0, "format": 0.1, "near": 0.0}
+    assert _step(env, "07", 4).reward == {"found": pytest.approx(0.4), "format": 0.0,
+                                          "near": 0.0}
+    assert _step(env, "7", 20).reward == {"found": 0.25, "format": 0.0, "near": 0.0}  # floor
+    env = GuessNumber(penalty=0.5, format_weight=0.2, near_weight=1.0)  # the weights are used
+    asyncio.run(env.reset({"answer": "3"}))
+    assert _step(env, "4", 0).reward == {"found": 0.0, "format": 0.2, "near": pytest.approx(0.9)}
+    assert _step(env, "3", 1).reward == {"found": 0.5, "format": 0.0, "near": 0.0}
+    assert _step(env, "3", 9).reward["found"] == 0.25
+    assert asyncio.run(env.close()) is None
+
+
+def test_guess_number_near_increments_sum_to_the_closest_guess_credit() -> None:
+    """near is paid only when a guess comes closer, so an episode's near parts sum to
+    0.3 x max(0, 1 - d / 10) for its closest wrong guess's distance d."""
+    env = GuessNumber()
+    asyncio.run(env.reset({"answer": "7"}))
+    got = [_step(env, g, k) for k, g in enumerate(["2", "4", "1", "9", "12", "9999", "8"])]
+    assert [r.observation for r in got] == ["+", "+", "+", "-", "-", "-", "-"]
+    assert not any(r.done for r in got)
+    want = [0.15, 0.06, 0.0, 0.03, 0.0, 0.0, 0.03]  # distances 5, 3, 6, 2, 5, 9992, 1
+    assert [r.reward["near"] for r in got] == pytest.approx(want)
+    assert sum(r.reward["near"] for r in got) == pytest.approx(0.3 * (1 - 1 / 10))
+    assert [r.reward["found"] for r in got] == [0.0] * 7
+    assert [r.reward["format"] for r in got] == [0.1] + [0.0] * 6
+    # guesses 10 or more away earn nothing until one comes within 10
+    asyncio.run(env.reset({"answer": "0"}))  # reset forgets the last game's closest guess
+    got = [_step(env, g, k) for k, g in enumerate(["15", "12", "10", "3"])]
+    assert [r.reward["near"] for r in got] == pytest.approx([0.0, 0.0, 0.0, 0.21])
+    asyncio.run(env.reset({"answer": "0"}))
+    assert _step(env, "5", 0).reward["near"] == pytest.approx(0.15)  # not net of last game
+    # an invalid turn ends the game with no near; what was paid stays paid
+    r = _step(env, "five", 1)
+    assert r.done and r.reward == {"found": 0.0, "format": 0.0, "near": 0.0}
 
 
 def test_guess_number_invalid_turns_end_with_partial_format_credit_on_turn_0() -> None:
+    """Turn 0: a valid guess (1-4 digits) earns the full format weight, anything else half
+    the weight times its digit share; a later invalid turn earns nothing."""
     env = GuessNumber(format_weight=0.2)
-    asyncio.run(env.reset({"answer": "35"}))
+    asyncio.run(env.reset({"answer": "5"}))
     r = _step(env, "3a", 0)  # half its characters are digits
-    assert r.done and r.reward == {"found": 0.0, "format": pytest.approx(0.2 * 0.5 * 0.5)}
+    assert r.done and r.observation is None and r.info == {"invalid": "3a"}
+    assert r.reward == {"found": 0.0, "format": pytest.approx(0.2 * 0.5 * 0.5), "near": 0.0}
     r = _step(env, "abc", 1)
-    assert r.done and r.reward == {"found": 0.0, "format": 0.0}
-    assert _step(env, "12345", 0).done  # more than four digits is not a guess
+    assert r.done and r.reward == {"found": 0.0, "format": 0.0, "near": 0.0}
+    r = _step(env, "12345", 0)  # more than four digits is not a guess: half credit
+    assert r.done and r.reward == {"found": 0.0, "format": pytest.approx(0.1), "near": 0.0}
+    r = _step(env, "-3", 0)
+    assert r.done and r.reward == {"found": 0.0, "format": pytest.approx(0.05), "near": 0.0}
+    assert _step(env, "", 0).reward == {"found": 0.0, "format": 0.0, "near": 0.0}
+    assert _step(env, "x" * 50, 0).info == {"invalid": "x" * 40}
+    r = _step(env, " 1234\n", 0)  # stripped: a valid (far) guess, full format credit
+    assert not r.done and r.reward == {"found": 0.0, "format": 0.2, "near": 0.0}
+
+
+def _guess_prompt(answer: str) -> dict[str, Any]:
+    """The first training prompt of GuessTask(seed=0) whose hidden number is ``answer``."""
+    task = GuessTask(num_prompts=200, seed=0)
+    return next(p for p in map(task.prompt, range(len(task))) if p["answer"] == answer)
 
 
 def test_guess_number_through_the_runner(char: tuple[TransformersEngine, Any]) -> None:
+    """A GuessTask prompt with secret 7, a scripted model guessing 2, 9, 7: the hints mask
+    0 and the parts summed over the episode are format 0.1 + near 0.24 + found 0.7. Cut by
+    max_turns after 2, 9 it keeps the near credit (0.24)."""
     _, tok = char
 
     def ids(s: str) -> list[int]:
         return list(tok(s, add_special_tokens=False).input_ids)
 
-    eng = ScriptedEngine([ids("30"), ids("40"), ids("35")])
-    ctx = context(eng, tok, prompt={"text": "31-38:", "answer": "35"})
-    (e,) = asyncio.run(runner(GuessNumber).group(ctx))
-    assert tok.decode(e.token_ids.tolist()) == "30+40-35"
-    assert e.mask.tolist() == [1, 1, 0, 1, 1, 0, 1, 1]
-    assert e.env_reward == {"found": pytest.approx(0.7), "format": pytest.approx(0.2)}
+    prompt = _guess_prompt("7")
+    assert len(prompt["text"]) == 5 and prompt["text"].endswith("?")
+    eng = ScriptedEngine([ids("2"), ids("9"), ids("7")])
+    (e,) = asyncio.run(runner(GuessNumber).group(context(eng, tok, prompt=prompt)))
+    assert e.finish_reason == "stop" and e.turns == 3
+    assert tok.decode(e.token_ids.tolist()) == "2+9-7"
+    assert e.mask.tolist() == [1, 0, 1, 0, 1]
+    assert e.env_reward == {"found": pytest.approx(0.7), "format": pytest.approx(0.1),
+                            "near": pytest.approx(0.24)}
+    eng = ScriptedEngine([ids("2"), ids("9")])
+    (e,) = asyncio.run(runner(GuessNumber, max_turns=2).group(context(eng, tok, prompt=prompt)))
+    assert e.finish_reason == "length" and e.turns == 2
+    assert tok.decode(e.token_ids.tolist()) == "2+9"  # no hint after the last turn
+    assert e.env_reward == {"found": 0.0, "format": pytest.approx(0.1),
+                            "near": pytest.approx(0.24)}
 
 
 def test_guess_task_invariants() -> None:
     a, b = GuessTask(num_prompts=500, seed=3), GuessTask(num_prompts=500, seed=3)
     train = [a.prompt(i) for i in range(len(a))]
-    assert train == [b.prompt(i) for i in range(len(b))]  # deterministic
-    assert a.heldout(200) == b.heldout(200)
-    held = a.heldout(10_000)
-    assert len(held) == 127 and len({p["text"] for p in held}) == 127  # every held-out range
-    assert a.heldout(5) == held[:5]
-    assert {p["text"] for p in train}.isdisjoint({p["text"] for p in held})
+    assert len(a) == 500 and train == [b.prompt(i) for i in range(len(b))]  # deterministic
+    held = a.heldout(10_000)  # 2,000 games at most
+    assert len(held) == 2000
+    assert {p["text"] for p in held} == {f"{5 * k:04d}?" for k in range(2000)}
+    assert [p["text"] for p in held] != sorted(p["text"] for p in held)  # a permutation
+    assert a.heldout(5) == held[:5] and a.heldout(0) == []
     for p in train + held:
-        lo, hi = p["lo"], p["hi"]
-        assert p["text"] == f"{lo}-{hi}:" and 3 <= hi - lo <= 9 and 0 <= lo <= 90
-        assert lo <= int(p["answer"]) <= hi and p["task"] == "guess"
-    assert len({int(p["answer"]) - p["lo"] for p in train}) > 5  # the secret varies
+        assert set(p) == {"text", "answer", "lo", "hi", "task"} and p["task"] == "guess"
+        assert (p["lo"], p["hi"]) == (0, 9)
+        assert len(p["text"]) == 5 and p["text"][:4].isdigit() and p["text"][4] == "?"
+        assert p["answer"] in set("0123456789")
+    games = [int(p["text"][:4]) for p in train]
+    assert all(g % 5 and 1 <= g <= 9999 for g in games)
+    assert len(set(games)) > 450  # drawn from 8,000 ids
+    assert {p["answer"] for p in train} == set("0123456789")  # the secret varies
     assert [GuessTask(50, seed=4).prompt(i) for i in range(50)] != train[:50]
+    assert GuessTask(50, seed=4).heldout(50) != a.heldout(50)
     with pytest.raises(IndexError):
         a.prompt(500)
+    with pytest.raises(IndexError):
+        a.prompt(-1)
+
+
+def test_guess_task_heldout_is_disjoint_from_training_deterministic_with_digit_answers(
+        ) -> None:
+    """Held-out texts never occur among the training texts (of any seed: the split is by
+    game id); the held-out games and their hidden digits are the same on every build."""
+    for seed in (0, 1):
+        task = GuessTask(seed=seed)  # 20,000 draws of 8,000 ids: about 92% of them
+        train = {task.prompt(i)["text"] for i in range(len(task))}
+        assert len(train) > 7000
+        held = task.heldout(2000)
+        assert train.isdisjoint(p["text"] for p in held)
+        assert held == GuessTask(num_prompts=7, seed=seed).heldout(2000)  # not on num_prompts
+        assert all(len(p["answer"]) == 1 and p["answer"].isdigit() for p in held)
+        assert {p["answer"] for p in held} == set("0123456789")
+        other = GuessTask(seed=1 - seed).heldout(2000)
+        assert train.isdisjoint(p["text"] for p in other)
