@@ -8,7 +8,7 @@
   shaping for a model that starts from random weights: ``call`` (0.2, once, for a call
   whose result is the answer) and ``format`` (up to 0.1 for a first turn made of digits
   and operators).
-- `GuessNumber` (task ``guess``: ``"31-38:"`` with a hidden ``answer`` in that range): the
+- `GuessNumber` (task ``guess``: a game id ``"4821?"`` with a hidden ``answer`` 0-9): the
   model guesses an integer, the environment answers ``+`` (higher) or ``-`` (lower) until
   it is found. Reward parts ``found`` (1.0 on the first guess, less per extra guess),
   ``near`` (when not found: credit for how close the closest guess came) and ``format``
