@@ -343,7 +343,8 @@ class ScoringConfig(_Section):
         default_factory=lambda: [RewardSpec(fn="workers.rewards:copy_reward")]
     )
     """Reward functions (called by keyword as TRL does: prompts, completions,
-    completion_ids, every column) and weights; the total is the weighted sum."""
+    completion_ids, every column) and weights; the total is the weighted sum. Empty only
+    with a `teacher` (pure distillation: every reward 0, advantages from the teacher)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """How advantages are scaled (TRL's scale_rewards); `batch` is per scorer read."""
     zero_variance: Literal["train", "filter"] = "train"
@@ -367,14 +368,25 @@ class ScoringConfig(_Section):
     advantage per rollout, or per token (a list per rollout). Empty: GRPO's
     (`scale_rewards`); `pipeline.advantages:rloo` is RLOO."""
     teacher: str = ""
-    """On-policy distillation: a teacher model (hub id or folder, same vocabulary as the
-    policy). The scorer adds `teacher_coef` x (teacher - behaviour logprob) of every
-    sampled token to its advantage (per-token advantages). Empty: off."""
+    """On-policy distillation: a teacher model (hub id or folder, same tokenizer
+    vocabulary as the policy). Each sampled token's advantage becomes the group's reward
+    advantage + `teacher_coef` x (teacher - behaviour logprob), per token (the teacher at
+    temperature 1; docs/distillation.md). Empty: off."""
     teacher_urls: list[str] = Field(default_factory=list)
-    """vLLM servers serving `teacher` (prompt logprobs); empty: the scorer runs the teacher
-    in-process."""
+    """vLLM servers serving `teacher` (prompt logprobs; requests time out after
+    generation.vllm.request_timeout_s); empty: each scorer runs the teacher itself."""
+    teacher_device: str = Field("cpu", pattern=DEVICE_PATTERN)
+    """Device of the in-process teacher (`auto`, `cpu`, `cuda`, `cuda:N`); it loads in
+    `model.dtype`."""
     teacher_coef: float = Field(1.0, gt=0)
     """Weight of the teacher's per-token term in the advantage."""
+
+    @model_validator(mode="after")
+    def _check_rewards(self) -> ScoringConfig:
+        if not self.rewards and not self.teacher:
+            raise ValueError("scoring.rewards: empty, and there is no scoring.teacher: "
+                             "nothing would give a completion an advantage")
+        return self
 
 
 class TrainerConfig(_Section):

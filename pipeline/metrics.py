@@ -22,7 +22,8 @@ Where the numbers come from:
 
 - counters mirror the role's heartbeat counters (`RoleMetrics.sync`, called by
   `pipeline.runtime.Heartbeat` on every beat, ``bus.heartbeat_s``): one source of truth
-  with `sluice status`; a scrape sees them at most one heartbeat old;
+  with `sluice status`; a scrape sees them at most one heartbeat old; so do the scorer's
+  per-period means (reward, the teacher's reverse KL), from cumulative sums and counts;
 - histograms and per-step gauges are observed where the event happens (a trainer step, a
   weight publish, a weight apply);
 - bus gauges are read from Redis on every beat, only while serving, by the roles that
@@ -97,6 +98,10 @@ SPECS: tuple[Spec, ...] = (
     Spec(Counter, "sample_reclaimed", "Entries reclaimed from idle consumers (XAUTOCLAIM)"),
     Spec(Gauge, "sample_reward", "Mean total reward of the completions rewarded in the "
          "last heartbeat period"),
+    Spec(Counter, "sample_teacher_errors", "Teacher calls that failed for a group"),
+    Spec(Gauge, "sample_teacher_kl", "On-policy distillation: mean per-token reverse KL "
+         "(behaviour - teacher logprob, mask-1 tokens) of the tokens scored in the last "
+         "heartbeat period"),
     # batch_: trainer (rank 0)
     Spec(Counter, "batch_steps", "Optimizer steps taken by this process"),
     Spec(Counter, "batch_tokens", "Tokens trained (forwarded)"),
@@ -154,6 +159,7 @@ SYNCED: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
                "dead": ("sample_groups", {"outcome": "dead"}),
                "reward_n": ("sample_completions", {}),
                "reward_errors": ("sample_reward_errors", {}),
+               "teacher_errors": ("sample_teacher_errors", {}),
                "reclaimed": ("sample_reclaimed", {})},
     "trainer": {"trained_groups": ("batch_groups", {"outcome": "trained"}),
                 "stale": ("batch_groups", {"outcome": "stale"}),
@@ -294,12 +300,21 @@ class RoleMetrics:
                 self._last[key] = max(float(value), self._last.get(key, 0.0))
             else:
                 self.set(name, float(value), **labels)
-        n, total = info.get("reward_n"), info.get("reward_sum")
-        if self.role == "scorer" and isinstance(n, int) and isinstance(total, int | float):
-            dn = n - self._last.get("_reward_n", 0)
-            if dn > 0:
-                self.set("sample_reward", (total - self._last.get("_reward_sum", 0.0)) / dn)
-                self._last["_reward_n"], self._last["_reward_sum"] = n, float(total)
+        if self.role == "scorer":
+            self._period_mean(info, "reward_sum", "reward_n", "sample_reward")
+            self._period_mean(info, "teacher_kl_sum", "teacher_tokens", "sample_teacher_kl")
+
+    def _period_mean(self, info: Mapping[str, Any], sum_key: str, n_key: str,
+                     gauge: str) -> None:
+        """Set ``gauge`` to the mean over the last heartbeat period of a cumulative sum
+        and count of the heartbeat (unchanged when nothing was added)."""
+        n, total = info.get(n_key), info.get(sum_key)
+        if not (isinstance(n, int) and isinstance(total, int | float)):
+            return
+        dn = n - self._last.get(f"_{n_key}", 0)
+        if dn > 0:
+            self.set(gauge, (total - self._last.get(f"_{sum_key}", 0.0)) / dn)
+            self._last[f"_{n_key}"], self._last[f"_{sum_key}"] = n, float(total)
 
     def step(self, row: Mapping[str, Any], staleness: Sequence[int]) -> None:
         """A trainer step as recorded in metrics.jsonl (``row``) and the staleness of each

@@ -46,7 +46,8 @@ RESUMABLE: tuple[str, ...] = (
     "run.max_time_s", "trainer.max_steps", "trainer.save_steps", "trainer.keep_checkpoints",
     "trainer.threads", "trainer.device", "generation.threads", "generation.device",
     "generation.vllm.urls", "generation.vllm.launch", "generation.vllm.python",
-    "generation.vllm.start_timeout_s", "up.*", "bus.*", "eval.*", "metrics.*", "run.report_to",
+    "generation.vllm.start_timeout_s", "scoring.teacher_urls", "scoring.teacher_device",
+    "up.*", "bus.*", "eval.*", "metrics.*", "run.report_to",
     "run.tracking_project", "run.output_dir")
 """Keys that may change on resume without ``--allow-config-change``: time and step
 budgets, checkpoint cadence, threads, devices, where servers and Redis are (connection

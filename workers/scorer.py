@@ -4,9 +4,11 @@ A consumer in group ``scorers`` on ``rollouts``. Per entry, exactly one of:
 - hand-off to ``scored`` (atomic with the ack, conditional on the entry still pending);
 - retire ``filtered`` when all rewards of the group are equal (no gradient), unless
   ``scoring.zero_variance = "train"`` (then it is handed off at advantage 0, as TRL trains it);
-- dead-letter (retired ``dead``): undecodable entry, or reward functions failing on
-  ``max_deliveries`` deliveries;
-- leave pending: a reward function failed and deliveries remain (read again later).
+  with a teacher, only when every token's advantage is 0 as well (in practice never);
+- dead-letter (retired ``dead``): undecodable entry, or reward functions (or the teacher)
+  failing on ``max_deliveries`` deliveries;
+- leave pending: a reward function or the teacher failed and deliveries remain (read
+  again later).
 Entries of crashed scorers are reclaimed with XAUTOCLAIM after ``claim_idle_ms``.
 
 Rewards are computed for a whole read at once (`workers.rewards.reward_matrix`: one call
@@ -21,6 +23,17 @@ At start (and in `sluice up` / `sluice score` before any role runs: `check_rewar
 function is probed once on a held-out prompt of the task; one that cannot be called
 (wrong signature, missing column, wrong result shape) stops the scorer with the
 function's own error instead of dead-lettering every group.
+
+On-policy distillation (``scoring.teacher``, `workers.teacher`): the teacher scores
+every sampled token of the read (one batch, same whole-read-then-per-group rule as the
+rewards), and each rollout gets per-token advantages (`pipeline.distillation`): its
+reward advantage (0 with ``scoring.rewards = []``) + ``teacher_coef`` x (teacher -
+behaviour logprob) at mask-1 tokens. ``advantages`` then holds their mean over mask-1
+tokens (reports); the ledger's ``adv_sum`` stays the sum of the reward advantages (the
+audited, group-centred part; the teacher term is not centred) and ``kl`` records the
+group's mean per-token reverse KL (behaviour - teacher), which the heartbeat, the
+``sluice_sample_teacher_kl`` gauge and a log line every `KL_LOG_EVERY_S` report too.
+The teacher's vocabulary is checked against the policy's at start (`check_teacher`).
 
 Every state change is one idempotent script keyed by (consumer, entry id, delivery), so a
 batch retried after a lost Redis reply neither acts twice nor loses its ledger record.
@@ -37,6 +50,8 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -53,6 +68,7 @@ from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup
 from pipeline.config import Config, ConfigError, RewardSpec
+from pipeline.distillation import mean_over_mask, reverse_kl, token_advantages
 from pipeline.metrics import start as start_metrics
 from pipeline.runtime import Heartbeat, connect, join, limits
 from workers.hooks import load_hook
@@ -65,8 +81,10 @@ from workers.rewards import (
     reward_matrix,
 )
 from workers.tasks import Task, task_from_config
+from workers.teacher import Teacher, TeacherError, check_vocab, load_teacher
 
 log = logging.getLogger("sluice.scorer")
+KL_LOG_EVERY_S = 10.0  # the teacher's reverse KL is logged at most this often
 
 
 class Scorer:
@@ -81,9 +99,15 @@ class Scorer:
         self.weights = np.array([r.weight for r in self.rewards], dtype=np.float64)
         self.limits = limits(cfg)
         self.counts = {"scored": 0, "filtered": 0, "dead": 0, "reward_errors": 0,
-                       "reclaimed": 0}
+                       "teacher_errors": 0, "reclaimed": 0}
         self.reward_sum = 0.0
         self.reward_n = 0
+        self.teacher: Teacher | None = None
+        if cfg.scoring.teacher:
+            check_teacher(cfg)
+            self.teacher = load_teacher(cfg)
+        self.kl_sum, self.kl_n = 0.0, 0  # reverse KL (behaviour - teacher), mask-1 tokens
+        self._kl_logged = (time.monotonic(), 0.0, 0)
         self.part_sums: dict[str, float] = {r.name: 0.0 for r in self.rewards}
         self.busy = False
         self.ledger = Ledger.for_role(cfg.output_path, "scorer", self.consumer, cfg.run.ledger)
@@ -92,8 +116,9 @@ class Scorer:
         return f"{action}:{self.consumer}:{e.id}:{e.deliveries}"
 
     def info(self) -> dict[str, object]:
+        kl = {"teacher_kl_sum": self.kl_sum, "teacher_tokens": self.kl_n} if self.teacher else {}
         return {**self.counts, "reward_sum": self.reward_sum, "reward_n": self.reward_n,
-                "part_sums": self.part_sums, "busy": self.busy}
+                "part_sums": self.part_sums, "busy": self.busy, **kl}
 
     async def rewards_of(self, groups: list[RolloutGroup]) -> list[np.ndarray | RewardError]:
         """Per group, its [n, F] reward matrix (NaN where a function returned None) or
@@ -109,26 +134,29 @@ class Scorer:
                 self.rewards, prompts, comps, [r.completion_ids.tolist() for r in rollouts],
                 [r.finish_reason for r in rollouts], timeout_s=timeout_s, extra=extra)
 
-        if not groups:
-            return []
-        try:
-            whole = await call(groups)
-        except RewardError as err:
-            if len(groups) == 1:
-                return [err]
-            log.info("reward call over %d groups failed (%s); scoring them one by one",
-                     len(groups), err)
-        else:
-            bounds = np.cumsum([0, *(len(g.rollouts) for g in groups)])
-            return [whole[a:b] for a, b in itertools.pairwise(bounds)]
-        # concurrently, so a timing-out function costs one more timeout, not one per group
-        results = await asyncio.gather(*(call([g]) for g in groups), return_exceptions=True)
-        out: list[np.ndarray | RewardError] = []
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, RewardError):
-                raise r
-            out.append(r)
-        return out
+        return await whole_then_each(groups, call, RewardError, "reward")
+
+    async def teacher_of(self, groups: list[RolloutGroup]
+                         ) -> list[list[np.ndarray] | TeacherError | None]:
+        """Per group, the teacher's logprobs of each rollout's tokens, or the error of its
+        own call; None per group without a teacher. One call over all groups first."""
+        if self.teacher is None:
+            return [None] * len(groups)
+        teacher = self.teacher
+
+        async def call(gs: list[RolloutGroup]) -> list[np.ndarray]:
+            rollouts = [r for g in gs for r in g.rollouts]
+            out = await teacher.logprobs([(g.prompt_ids, r.completion_ids, r.mask)
+                                          for g in gs for r in g.rollouts])
+            if len(out) != len(rollouts):
+                raise TeacherError(f"{len(out)} teacher answers for {len(rollouts)} rollouts")
+            for r, lp in zip(rollouts, out, strict=True):
+                if len(lp) != len(r.mask) or not np.isfinite(lp[r.mask > 0]).all():
+                    raise TeacherError(f"{len(lp)} teacher logprobs for {len(r.mask)} "
+                                       "tokens, or one not finite")
+            return out
+
+        return await whole_then_each(groups, call, TeacherError, "teacher")
 
     async def hook_advantages(self, g: RolloutGroup, total: np.ndarray
                               ) -> tuple[np.ndarray, list[np.ndarray] | None]:
@@ -177,31 +205,34 @@ class Scorer:
                 await self.dead(bus, e, f"decode: {err}")
                 continue
             decoded.append((e, g))
-        scored: list[tuple[Entry, RolloutGroup, np.ndarray, np.ndarray]] = []
-        results = await self.rewards_of([g for _, g in decoded])
-        for (e, g), parts in zip(decoded, results, strict=True):
+        scored: list[tuple[Entry, RolloutGroup, np.ndarray, np.ndarray,
+                           list[np.ndarray] | None]] = []
+        groups = [g for _, g in decoded]
+        results, teacher = await asyncio.gather(self.rewards_of(groups), self.teacher_of(groups))
+        for (e, g), parts, tlp in zip(decoded, results, teacher, strict=True):
             try:
                 if isinstance(parts, RewardError):
                     raise parts
-                total = combine_rewards(parts, self.weights)
-                if not np.isfinite(total).all():
-                    raise RewardError("+".join(r.name for r in self.rewards),
-                                      "no function gave a completion a reward (all None)")
-            except RewardError as err:
-                self.counts["reward_errors"] += 1
+                if isinstance(tlp, TeacherError):
+                    raise tlp
+                total = self.total(parts)
+            except (RewardError, TeacherError) as err:
+                what = "teacher" if isinstance(err, TeacherError) else "reward"
+                self.counts[f"{what}_errors"] += 1
                 if e.deliveries >= self.cfg.bus.max_deliveries:
-                    await self.dead(bus, e, f"reward: {err}")
+                    await self.dead(bus, e, f"{what}: {err}")
                 else:  # stays pending; reclaimed and retried after claim_idle_ms
-                    log.warning("reward failed for %s (delivery %d): %s", e.id, e.deliveries, err)
+                    log.warning("%s failed for %s (delivery %d): %s", what, e.id,
+                                e.deliveries, err)
                 continue
-            scored.append((e, g, parts, total))
+            scored.append((e, g, parts, total, tlp))
         if not scored:
             return
         sc = self.cfg.scoring
-        advs = batch_advantages([t for *_, t in scored], scale_rewards=sc.scale_rewards,
+        advs = batch_advantages([t for _, _, _, t, _ in scored], scale_rewards=sc.scale_rewards,
                                 eps=sc.std_eps, ddof=sc.std_ddof)
         handoffs: list[tuple[str, bytes, str, list[dict[str, object]]]] = []
-        for (e, g, parts, total), adv in zip(scored, advs, strict=True):
+        for (e, g, parts, total, tlp), adv in zip(scored, advs, strict=True):
             self.reward_sum += float(total.sum())
             self.reward_n += len(total)
             for j, rf in enumerate(self.rewards):
@@ -210,19 +241,32 @@ class Scorer:
             flat = is_zero_variance(total)
             if flat:  # exactly 0, so the trainer can tell it carries no gradient
                 adv = np.zeros_like(adv)
-            # the audit checks the group-relative advantages are centred (before a hook)
+            # the ledger's adv_sum: the group-relative reward advantages, centred on the group
+            # (audited); not a hook's replacement, nor the teacher's per-token term
             adv_sum = round(float(np.sum(adv)), 6)
-            token_adv = None
+            tadv, kl = None, {}
             if self.adv_hook is not None:
                 try:
-                    adv, token_adv = await self.hook_advantages(g, total)
+                    adv, tadv = await self.hook_advantages(g, total)
                 except ValueError as err:  # the hook's bug: the group's, like a reward's
                     self.counts["reward_errors"] += 1
                     await self.dead(bus, e, f"scoring.advantages: {err}")
                     continue
-                flat = not adv.any() and (token_adv is None or not any(a.any()
-                                                                        for a in token_adv))
-            self.ledger.write("scored", gid, id=e.id, n=len(total), adv_sum=adv_sum)
+                flat = not adv.any() and (tadv is None or not any(a.any() for a in tadv))
+            if tlp is not None:  # on-policy distillation (module docstring)
+                masks = [r.mask for r in g.rollouts]
+                behaviour = [r.logprobs for r in g.rollouts]
+                teacher_term = token_advantages(np.zeros(len(masks)), behaviour, tlp, masks,
+                                                sc.teacher_coef)
+                tadv = (token_advantages(adv, behaviour, tlp, masks, sc.teacher_coef)
+                        if tadv is None else [(x + y).astype(np.float32) for x, y in
+                                              zip(tadv, teacher_term, strict=True)])
+                flat = not any(a.any() for a in tadv)
+                kl_sum, kl_n = reverse_kl(behaviour, tlp, masks)
+                self.kl_sum += kl_sum
+                self.kl_n += kl_n
+                kl = {"kl": round(kl_sum / max(kl_n, 1), 6), "kl_n": kl_n}
+            self.ledger.write("scored", gid, id=e.id, n=len(total), adv_sum=adv_sum, **kl)
             if flat and sc.zero_variance == "filter":
                 op = self.op("filtered", e)
                 if await self.ledger.settle(
@@ -234,8 +278,9 @@ class Scorer:
             sg = ScoredGroup(group=g.for_training(), rewards=total.astype(np.float32),
                              reward_parts={rf.name: parts[:, j].astype(np.float32)
                                            for j, rf in enumerate(self.rewards)},
-                             advantages=np.asarray(adv, dtype=np.float32), scorer=self.wid,
-                             t_scored=time.time(), token_advantages=token_adv)
+                             advantages=np.asarray(adv, dtype=np.float32) if tadv is None
+                             else mean_over_mask(tadv, [r.mask for r in g.rollouts]),
+                             scorer=self.wid, t_scored=time.time(), token_advantages=tadv)
             op = self.op("handoff", e)
             handoffs.append((e.id, encode(sg), op, [{"ev": "handed_off", "gid": gid,
                                                      "id": e.id,
@@ -247,6 +292,31 @@ class Scorer:
                 lambda: bus.handoff_many(src, SCORERS_GROUP, bus.lanes.of_stream(src).scored,
                                          [(i, p, op) for i, p, op, _ in handoffs]))
             self.counts["scored"] += sum(1 for new_id in done if new_id)
+        self.log_kl()
+
+    def total(self, parts: np.ndarray) -> np.ndarray:
+        """The weighted total reward of each completion (``[n, F]`` -> ``[n]``); 0 with no
+        reward functions (pure distillation). ``RewardError`` when every function gave
+        a completion None."""
+        if not self.rewards:
+            return np.zeros(len(parts), dtype=np.float64)
+        total = combine_rewards(parts, self.weights)
+        if not np.isfinite(total).all():
+            raise RewardError("+".join(r.name for r in self.rewards),
+                              "no function gave a completion a reward (all None)")
+        return total
+
+    def log_kl(self) -> None:
+        """Every `KL_LOG_EVERY_S` at most: the teacher's mean per-token reverse KL over the
+        tokens scored since the last such line."""
+        t0, sum0, n0 = self._kl_logged
+        now = time.monotonic()
+        if self.teacher is None or now - t0 < KL_LOG_EVERY_S or self.kl_n == n0:
+            return
+        log.info("teacher reverse KL %.4f nats/token over %d tokens (%.4f since the start)",
+                 (self.kl_sum - sum0) / (self.kl_n - n0), self.kl_n - n0,
+                 self.kl_sum / self.kl_n)
+        self._kl_logged = (now, self.kl_sum, self.kl_n)
 
     async def watch_control(self, bus: Bus, stop: asyncio.Event) -> None:
         async for msg in control.watch(bus, from_id="0", stop=stop,
@@ -256,6 +326,8 @@ class Scorer:
 
     async def run(self, stop: asyncio.Event) -> None:
         await probe_rewards(self.cfg, self.rewards)
+        if self.teacher is not None:
+            await self.teacher.start()
         bus = connect(self.cfg)
         for lane in bus.lanes.keys:
             await bus.retrying(lambda k=lane: bus.ensure_group(k.rollouts, SCORERS_GROUP),
@@ -267,7 +339,9 @@ class Scorer:
         watcher = asyncio.create_task(self.watch_control(bus, stop))
         claim_every_s = self.cfg.bus.claim_idle_ms / 2000
         last_claim = 0.0
-        log.info("scorer %s started with rewards %s", self.wid, [r.name for r in self.rewards])
+        log.info("scorer %s started with rewards %s%s", self.wid,
+                 [r.name for r in self.rewards],
+                 f" and teacher {self.cfg.scoring.teacher}" if self.teacher else "")
         try:
             while not stop.is_set():
                 entries = []
@@ -302,6 +376,8 @@ class Scorer:
                 left = "yes" if all(gone) else "no (entries pending)"
             await hb.stop(forget=left == "yes")
             await bus.close()
+            if self.teacher is not None:
+                await self.teacher.close()
             self.ledger.close()
             log.info("scorer %s stopped: %s; left the group: %s", self.wid, self.counts, left)
 
@@ -313,6 +389,60 @@ class Scorer:
                 k.rollouts, keep_ms=int(self.cfg.bus.keep_acked_s * 1000))
             await bus.prune_consumers(k.rollouts, SCORERS_GROUP,
                                       idle_ms=10 * self.cfg.bus.claim_idle_ms)
+
+
+E = TypeVar("E", bound=Exception)
+R = TypeVar("R")
+
+
+async def whole_then_each(groups: list[RolloutGroup],
+                          call: Callable[[list[RolloutGroup]], Awaitable[Sequence[R]]],
+                          error: type[E], what: str) -> list[Sequence[R] | E]:
+    """Per group, its slice of ``call(groups)`` (one item per rollout), or when that call
+    raises ``error``, of ``call([group])`` for each group alone, concurrently (so a
+    timing-out function costs one more timeout, not one per group): the error of a group
+    that fails on its own is returned in its place (module docstring)."""
+    if not groups:
+        return []
+    try:
+        whole = await call(groups)
+    except error as err:
+        if len(groups) == 1:
+            return [err]
+        log.info("%s call over %d groups failed (%s); scoring them one by one", what,
+                 len(groups), err)
+    else:
+        bounds = np.cumsum([0, *(len(g.rollouts) for g in groups)])
+        return [whole[a:b] for a, b in itertools.pairwise(bounds)]
+    results = await asyncio.gather(*(call([g]) for g in groups), return_exceptions=True)
+    out: list[Sequence[R] | E] = []
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, error):
+            raise r
+        out.append(r)  # type: ignore[arg-type]
+    return out
+
+
+def check_teacher(cfg: Config, policy_tokenizer: Any = None) -> None:
+    """What the scorer runs at start, and `sluice up` / `sluice score` before any role:
+    with ``scoring.teacher`` set, its vocabulary must be the policy's
+    (`workers.teacher.check_vocab`: ``ConfigError`` naming ``scoring.teacher``) and an
+    in-process teacher's device must exist (``scoring.teacher_device``); warns
+    when the policy samples at a temperature other than 1 or truncated (top-k / top-p),
+    as the teacher is compared untempered (`workers.teacher`)."""
+    if not cfg.scoring.teacher:
+        return
+    if not cfg.scoring.teacher_urls:
+        from pipeline.devices import resolve_device
+
+        resolve_device(cfg.scoring.teacher_device, "scoring.teacher_device")
+    check_vocab(cfg, policy_tokenizer)
+    g = cfg.generation
+    if g.temperature != 1.0 or g.top_k or g.top_p < 1.0:
+        log.warning("scoring.teacher: the policy samples at temperature %g (top_k %d, top_p "
+                    "%g); the teacher is compared at temperature 1 without truncation, so "
+                    "the tempered policy is what comes to match it (docs/distillation.md)",
+                    g.temperature, g.top_k, g.top_p)
 
 
 def reward_specs(cfg: Config, key: str = "scoring.rewards") -> list[RewardSpec]:

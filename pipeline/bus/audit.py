@@ -6,7 +6,10 @@
 2. no group is appended, handed off or trained twice, and no trained group was older than
    ``max_staleness`` versions when it was trained;
 3. advantages were computed over complete groups: every scored (and trained) group has
-   ``num_generations`` completions, and its advantages sum to zero (centred on the group);
+   ``num_generations`` completions, and its reward advantages sum to zero (centred on the
+   group). With on-policy distillation a teacher's per-token term is added on top; it is
+   not centred (no baseline: its mean is minus the reverse KL), so ``adv_sum`` is the
+   reward part alone and the audit checks that part (`workers.scorer`);
 4. the gate's counters in Redis equal the ledger's counts (``cursor`` = admitted,
    ``retired`` and ``retired:<reason>`` = retirements, ``generating`` = admitted and not
    yet appended or abandoned);
@@ -198,8 +201,8 @@ def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
             bad(f"group {r['gid']} {r['ev']} with {r['n']} completions, expected {expected}")
     for r in by_ev["scored"]:
         if abs(r["adv_sum"]) > ADV_SUM_TOL * r["n"]:
-            bad(f"group {r['gid']}: advantages sum to {r['adv_sum']}, not 0 (not centred on "
-                "the group)")
+            bad(f"group {r['gid']}: reward advantages sum to {r['adv_sum']}, not 0 (not "
+                "centred on the group)")
 
     # --- 4. the gate's counters equal the ledger's counts
     if state is not None:

@@ -16,8 +16,9 @@ Events (``ev``), each with ``gid`` (group id), ``role``, ``consumer``, ``t`` (un
 - generator: ``admitted`` (``cursor``), ``takeover`` (``cursor``: an expired lease of a
   dead generator, now ours), ``emitted`` (``cursor``, ``id``), ``lost_lease``
   (``cursor``: another generator took it over; we drop our copy), ``dead`` (abandoned);
-- scorer: ``scored`` (``n``: completions, ``adv_sum``), ``handed_off`` (``id``, ``to``),
-  ``filtered``, ``dead``;
+- scorer: ``scored`` (``n``: completions, ``adv_sum``: of the reward advantages; with a
+  teacher also ``kl``, the group's mean per-token reverse KL to it, over ``kl_n``
+  tokens), ``handed_off`` (``id``, ``to``), ``filtered``, ``dead``;
 - trainer: ``trained`` (``step``, ``version``, ``min_version``, ``max_staleness``,
   ``n``), ``stale``, ``duplicate`` (acked, not retired: already trained), ``dead``.
 Retiring events are ``filtered``, ``stale``, ``trained`` and ``dead`` (when ``retired``).

@@ -135,8 +135,9 @@ def _check_role_inputs(cfg: Config, cmd: str) -> None:
     """What a role loads first, checked before it starts (and before `sluice up` touches
     the run directory): a wrong device, a tracker that is not installed, task data
     (dataset, split, columns, prompts over ``task.max_prompt_tokens``) or a reward function
-    that cannot be imported or called (a probe call on a held-out prompt) fails here naming
-    the key, not as a traceback from inside a role that started. (A missing or unknown
+    that cannot be imported or called (a probe call on a held-out prompt), or a teacher
+    whose vocabulary is not the policy's, fails here naming the key, not as a traceback
+    from inside a role that started. (A missing or unknown
     ``model.path`` fails when it is resolved and pinned; `sluice up` builds a missing tiny
     model itself when ``model.init`` says so, and the task is then checked without the
     tokenizer.)"""
@@ -173,10 +174,11 @@ def _check_role_inputs(cfg: Config, cmd: str) -> None:
 
         load_hook(cfg.scoring.advantages, "scoring.advantages")
     if cmd in ("score", "up", "eval"):
-        from workers.scorer import check_rewards
+        from workers.scorer import check_rewards, check_teacher
 
         if cmd != "eval":
             check_rewards(cfg, task)  # each reward function called once on a prompt
+            check_teacher(cfg, _tokenizer_if_present(cfg))  # the policy's vocabulary
         if cmd != "score" and cfg.eval.rewards is not None:
             check_rewards(cfg, task, "eval.rewards")  # the evaluator's own
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,12 +140,17 @@ def _hf_config(tmp_path: Path, run_name: str, url: str, *sets: str) -> Any:
         f"{{fn='{__name__}:target_reward'}}]", *sets])
 
 
-async def _score_all(cfg: Any, url: str, run_name: str, groups: list[Any]) -> tuple[Any, Any]:
+async def _score_all(cfg: Any, url: str, run_name: str, groups: list[Any],
+                     prepare: Callable[[Scorer], None] | None = None) -> tuple[Any, Any]:
+    """Append ``groups`` to ``rollouts``, run a scorer (``prepare``d, if given) until every
+    entry is settled; (the scorer, (decoded ``scored`` entries, ``dlq`` entries))."""
     bus = Bus.connect(url, run_name)
     await bus.ensure_group(bus.keys.rollouts, SCORERS_GROUP)
     for g in groups:
         assert await bus.emit(encode(g), cursor=await bus.admit(100, "g"), owner="g")
     scorer = Scorer(cfg, "s1")
+    if prepare is not None:
+        prepare(scorer)
     stop = asyncio.Event()
     task = asyncio.create_task(scorer.run(stop))
 

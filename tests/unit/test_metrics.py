@@ -75,6 +75,22 @@ def test_served_values_are_the_role_counters_and_move_with_them() -> None:
         scrape(f"http://127.0.0.1:{port}/metrics")
 
 
+def test_a_distilling_scorer_reports_the_teacher_kl_of_each_heartbeat_period() -> None:
+    m = RoleMetrics("scorer", "scorer/scorer-0")
+
+    def samples() -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in m.registry.collect() for s in fam.samples}
+
+    m.sync({"teacher_kl_sum": 30.0, "teacher_tokens": 10, "teacher_errors": 1})
+    assert value(samples(), "sluice_sample_teacher_kl") == pytest.approx(3.0)
+    m.sync({"teacher_kl_sum": 40.0, "teacher_tokens": 20, "teacher_errors": 1})
+    assert value(samples(), "sluice_sample_teacher_kl") == pytest.approx(1.0)  # 10 / 10
+    m.sync({"teacher_kl_sum": 40.0, "teacher_tokens": 20, "teacher_errors": 3})
+    assert value(samples(), "sluice_sample_teacher_kl") == pytest.approx(1.0)  # no tokens
+    assert value(samples(), "sluice_sample_teacher_errors_total") == 3
+
+
 def test_a_trainer_step_sets_gauges_and_observes_staleness_per_group() -> None:
     m = RoleMetrics("trainer", "trainer/trainer-0")
     row = {"step": 5, "version": 5, "tokens": 640, "loss": 0.25, "grad_norm": float("nan"),
