@@ -193,7 +193,7 @@ class VLLMTeacher:
         ``scoring.teacher_urls``; one that does not answer yet is asked again later."""
         import aiohttp
 
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        self.session = aiohttp.ClientSession()
         for url in self.urls:
             try:
                 await self._name(url)
@@ -205,12 +205,14 @@ class VLLMTeacher:
             await self.session.close()
             self.session = None
 
-    async def _request(self, method: str, url: str, body: Any = None) -> Any:
+    async def _request(self, method: str, url: str, body: Any = None,
+                       timeout_s: float | None = None) -> Any:
         import aiohttp
 
         assert self.session is not None, "call start() first"
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            async with self.session.request(method, url, json=body) as r:
+            async with self.session.request(method, url, json=body, timeout=timeout) as r:
                 text = await r.text()
                 status = r.status
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
@@ -223,7 +225,7 @@ class VLLMTeacher:
 
     async def _name(self, url: str) -> str:
         if url not in self.served:
-            models = await self._request("GET", url + "/v1/models")
+            models = await self._request("GET", url + "/v1/models", timeout_s=10.0)
             served = [m.get("id") for m in (models or {}).get("data", [])]
             name = next((n for n in self.names if n in served), None)
             if name is None:

@@ -178,7 +178,8 @@ def _check_role_inputs(cfg: Config, cmd: str) -> None:
 
         if cmd != "eval":
             check_rewards(cfg, task)  # each reward function called once on a prompt
-            check_teacher(cfg, _tokenizer_if_present(cfg))  # the policy's vocabulary
+            if cfg.scoring.teacher:  # its vocabulary against the policy's
+                check_teacher(cfg, _tokenizer_if_present(cfg))
         if cmd != "score" and cfg.eval.rewards is not None:
             check_rewards(cfg, task, "eval.rewards")  # the evaluator's own
 

@@ -198,3 +198,23 @@ def test_trainer_settings_this_machine_cannot_run_fail_at_start(
     assert p.returncode == 2, p.stderr
     assert f" {key}: " in p.stderr.replace("\n", " "), p.stderr  # the key, named
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("cmd", ["up", "score"])
+def test_a_teacher_with_another_vocabulary_stops_up_and_score_before_any_role(
+        tmp_path: Path, tiny_model_dir: Path, cmd: str) -> None:
+    """`sluice up` / `sluice score` with an on-policy distillation teacher whose tokenizer
+    is not the policy's: exit 2 naming scoring.teacher, before the run directory exists;
+    an in-process teacher on a device this machine lacks names scoring.teacher_device."""
+    from tests.helpers import build_bpe_model
+
+    other = build_bpe_model(tmp_path / "bpe")
+    base = [cmd, str(ROOT / "examples" / "copy.toml"), "--set", f"model.path={tiny_model_dir}",
+            "--set", f"run.output_dir={tmp_path / 'run'}"]
+    p = sluice(*base, "--set", f"scoring.teacher={other}")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "scoring.teacher: " in p.stderr and "another vocabulary" in p.stderr, p.stderr
+    p = sluice(*base, "--set", f"scoring.teacher={tiny_model_dir}",
+               "--set", "scoring.teacher_device=cuda")
+    assert p.returncode == 2 and "scoring.teacher_device: " in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
