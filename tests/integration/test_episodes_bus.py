@@ -90,6 +90,25 @@ def _run_generator(cfg: Any, n: int) -> tuple[Generator, dict[str, int], list[An
     return gen, *arun(go())
 
 
+def _score(cfg: Any) -> list[ScoredGroup]:
+    """One scorer read of everything on ``rollouts``, handed on; the `scored` entries."""
+    scorer = Scorer(cfg, "s0")
+
+    async def go() -> list[ScoredGroup]:
+        bus = Bus.connect(cfg.redis_url, cfg.run.name)
+        try:
+            await bus.ensure_group(bus.keys.rollouts, SCORERS_GROUP)
+            await bus.ensure_group(bus.keys.scored, "trainers")
+            entries = await bus.read_lanes("rollouts", SCORERS_GROUP, "s0", count=8,
+                                           block_ms=100)
+            await scorer.process(bus, entries)
+            return [decode_entry(f) for _i, f in await bus.r.xrange(bus.keys.scored)]
+        finally:
+            await bus.close()
+
+    return arun(go())
+
+
 def _texts(cfg: Any, gen: Generator, n: int) -> list[str]:
     return [gen.task.prompt(prompt_for_cursor(c, len(gen.task), cfg.run.seed)[1])["text"]
             for c in range(n)]
@@ -128,22 +147,8 @@ def test_episodes_reach_the_stream_and_a_failing_environment_kills_only_its_grou
                 r.messages[0]["content"]
 
     # the scorer rewards them with the environment's reward (the default with an env)
-    scorer = Scorer(cfg, "s0")
-
-    async def score() -> list[ScoredGroup]:
-        bus = Bus.connect(cfg.redis_url, cfg.run.name)
-        try:
-            await bus.ensure_group(bus.keys.rollouts, SCORERS_GROUP)
-            await bus.ensure_group(bus.keys.scored, "trainers")
-            entries = await bus.read_lanes("rollouts", SCORERS_GROUP, "s0", count=8,
-                                           block_ms=100)
-            await scorer.process(bus, entries)
-            return [decode_entry(f) for _i, f in await bus.r.xrange(bus.keys.scored)]
-        finally:
-            await bus.close()
-
     cfg.scoring.zero_variance = "train"
-    scored = arun(score())
+    scored = _score(cfg)
     assert len(scored) == 2
     for sg in scored:
         assert np.allclose(sg.rewards, 2.5) and np.allclose(sg.reward_parts["env_reward"], 2.5)
@@ -196,21 +201,7 @@ def test_scoring_advantages_hook(redis_server: EmbeddedRedis, run_name: str,
     cfg = _cfg(redis_server, run_name, tiny_model_dir, tmp_path,
                f"scoring.advantages={hook}", "scoring.zero_variance=train")
     _gen, _state, groups, _dlq = _run_generator(cfg, 3)
-    scorer = Scorer(cfg, "s0")
-
-    async def score() -> list[ScoredGroup]:
-        bus = Bus.connect(cfg.redis_url, cfg.run.name)
-        try:
-            await bus.ensure_group(bus.keys.rollouts, SCORERS_GROUP)
-            await bus.ensure_group(bus.keys.scored, "trainers")
-            entries = await bus.read_lanes("rollouts", SCORERS_GROUP, "s0", count=8,
-                                           block_ms=100)
-            await scorer.process(bus, entries)
-            return [decode_entry(f) for _i, f in await bus.r.xrange(bus.keys.scored)]
-        finally:
-            await bus.close()
-
-    scored = arun(score())
+    scored = _score(cfg)
     assert len(scored) == len(groups) == 3
     for sg in scored:
         r = sg.rewards.astype(np.float64)
