@@ -224,7 +224,8 @@ class EnvironmentRunner:
             res = step_result(await call(env.step, Action(text, c.token_ids.tolist(), turn),
                                          timeout_s=t, what=f"step (turn {turn})"),
                               f"step (turn {turn})")
-            for k, v in _as_parts(res.reward).items():
+            assert isinstance(res.reward, Mapping)  # step_result made it named parts
+            for k, v in res.reward.items():
                 rewards[k] = rewards.get(k, 0.0) + v
             if res.done:
                 finish = "stop"
@@ -255,7 +256,3 @@ class EnvironmentRunner:
         b.add_context(ids)
         messages.extend(observation_messages(obs, self.role))
         return True
-
-
-def _as_parts(reward: Any) -> dict[str, float]:
-    return dict(reward) if isinstance(reward, Mapping) else {}
