@@ -20,7 +20,7 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError
 
-from pipeline.bus.client import TRANSIENT, Bus
+from pipeline.bus.client import Bus
 from pipeline.bus.connection import (
     ClusterModeError,
     PartitionsError,
@@ -31,6 +31,7 @@ from pipeline.bus.connection import (
 from pipeline.bus.keys import Keys
 from pipeline.bus.schema import Limits
 from pipeline.bus.security import TLSFiles, client_options
+from pipeline.bus.transient import TRANSIENT
 from pipeline.config import Config, ConfigError
 from pipeline.metrics import RoleMetrics
 
@@ -60,7 +61,11 @@ _process_role: str | None = None  # set by `run_role`; None in tests and tools
 
 def run_role(main: Callable[[asyncio.Event], Awaitable[Any]], role: str) -> Any:
     """Run a role process. ``role`` is also its Redis identity: `connect` uses that
-    role's credentials unless told otherwise."""
+    role's credentials unless told otherwise.
+
+    The event loop is uvloop when it is installed (a core dependency except on Windows),
+    else asyncio's own; ``SLUICE_EVENT_LOOP=asyncio`` forces asyncio's (to rule the loop
+    out when debugging; the fault tests run under both, `pipeline.bus.transient`)."""
     global _process_role
     _process_role = role
     setup_logging(role)
@@ -72,12 +77,22 @@ def run_role(main: Callable[[asyncio.Event], Awaitable[Any]], role: str) -> Any:
             loop.add_signal_handler(sig, stop.set)
         return await main(stop)
 
-    try:
-        import uvloop
+    return event_loop_runner()(runner())
 
-        return uvloop.run(runner())
-    except ImportError:
-        return asyncio.run(runner())
+
+def event_loop_runner() -> Callable[[Awaitable[Any]], Any]:
+    """``uvloop.run`` or ``asyncio.run``, as `run_role` documents (an ImportError raised
+    by a role itself is the role's error, never a reason to run it again)."""
+    choice = os.environ.get("SLUICE_EVENT_LOOP", "uvloop")
+    if choice not in ("uvloop", "asyncio"):
+        raise ConfigError(f"SLUICE_EVENT_LOOP={choice!r}: expected 'uvloop' or 'asyncio'")
+    if choice == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run
+        return uvloop.run
+    return asyncio.run
 
 
 def tls_files(cfg: Config) -> TLSFiles:

@@ -33,10 +33,11 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pipeline.bus import control
-from pipeline.bus.client import Bus, transient, worker_id
+from pipeline.bus.client import Bus, worker_id
 from pipeline.bus.codec import encode
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import RolloutGroup, RunFinished, WeightsPublished
+from pipeline.bus.transient import transient
 from pipeline.config import Config
 from pipeline.devices import resolve_device
 from pipeline.metrics import start as start_metrics

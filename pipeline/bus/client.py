@@ -43,19 +43,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import (
-    AuthenticationError,
-    BusyLoadingError,
-    ClusterDownError,
-    MasterDownError,
-    MovedError,
-    RedisClusterException,
-    ResponseError,
-    SlotNotCoveredError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import AuthenticationError, MovedError, ResponseError
 
 from pipeline.bus import scripts as lua
 from pipeline.bus.codec import FIELD
@@ -63,38 +51,11 @@ from pipeline.bus.connection import CLIENT_OPTIONS, ClusterModeError, async_clie
 from pipeline.bus.keys import GROUP_ROLE, RETIRE_REASONS, Keys
 from pipeline.bus.lanes import Lanes, add_states
 from pipeline.bus.security import TLSFiles, client_options
+from pipeline.bus.transient import transient
 
 log = logging.getLogger("sluice.bus")
 
 T = TypeVar("T")
-
-# Errors after which the connection is retried with backoff rather than crashing.
-TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, OSError)
-# ... and on a Redis Cluster, the replies of a cluster that is failing over or restarting
-CLUSTER_TRANSIENT = (ClusterDownError, TryAgainError, MasterDownError, SlotNotCoveredError)
-
-
-def transient(e: BaseException) -> bool:
-    """Whether waiting can fix ``e``: a lost connection, a loading server, a cluster that
-    is down or resharding, or (redis-py's words) a cluster that "cannot be connected"
-    because every node is unreachable."""
-    return isinstance(e, TRANSIENT + CLUSTER_TRANSIENT) or (
-        isinstance(e, RedisClusterException) and "cannot be connected" in str(e)) or (
-        isinstance(e, AttributeError) and _raised_in_redis_connection(e))
-
-
-def _raised_in_redis_connection(e: BaseException) -> bool:
-    """redis-py 8's cluster client can use a node connection that a failed reconnect left
-    without a socket (``'NoneType' object has no attribute 'writelines'`` in
-    `redis.asyncio.connection`, seen when every node was down); it is the same lost
-    connection as a ConnectionError and is retried like one. Only when the error comes
-    from redis-py's connection module, so a bug of ours is never swallowed."""
-    tb = e.__traceback__
-    last = None
-    while tb is not None:
-        last, tb = tb, tb.tb_next
-    return last is not None and last.tb_frame.f_code.co_filename.replace("\\", "/").endswith(
-        "redis/asyncio/connection.py")
 
 
 @dataclass
@@ -248,8 +209,10 @@ class Bus:
 
     async def retrying(self, op: Callable[[], Awaitable[T]], what: str,
                        stop: asyncio.Event | None = None) -> T:
-        """Run ``op`` until it succeeds, backing off exponentially (capped) on connection
-        errors and marking the bus unhealthy meanwhile. Raises `asyncio.CancelledError`
+        """Run ``op`` until it succeeds, backing off exponentially (capped) on transient
+        errors (`pipeline.bus.transient`: lost connections, whatever their type, and a
+        cluster that is down) and marking the bus unhealthy meanwhile; any other error is
+        raised at once. Raises `asyncio.CancelledError`
         if ``stop`` is set while waiting. A refused login (wrong or missing credentials:
         redis-py's AuthenticationError is a ConnectionError) is raised at once: waiting
         cannot fix it, and a role retrying it forever would only look slow."""
@@ -269,7 +232,8 @@ class Bus:
                 if not transient(e):
                     raise
                 if self.healthy:
-                    log.warning("redis unavailable during %s: %s; retrying", what, e)
+                    log.warning("redis unavailable during %s: %s: %s; retrying", what,
+                                type(e).__name__, e)
                 self.healthy = False
                 if stop is not None and stop.is_set():
                     raise asyncio.CancelledError from e

@@ -38,9 +38,20 @@ def find_redis_server() -> str:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free now: all bound at once, so no two are equal
+    (separate `free_port` calls may hand out the same port twice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _answers(url: str) -> bool:
@@ -149,12 +160,13 @@ class EmbeddedCluster:
         if masters < 3:
             raise ValueError("redis-cli --cluster create needs at least 3 masters")
         self.data_dir = Path(data_dir).resolve()
-        self.nodes = [EmbeddedRedis(self.data_dir / f"node{i}", port=free_port(),
+        ports = free_ports(2 * masters)  # a client port and a cluster-bus port each
+        self.nodes = [EmbeddedRedis(self.data_dir / f"node{i}", port=ports[2 * i],
                                     appendonly=appendonly,
                                     # the cluster bus port is set, not port + 10000
                                     # (which overflows above 55535)
                                     extra_args=["--cluster-enabled", "yes",
-                                                "--cluster-port", str(free_port()),
+                                                "--cluster-port", str(ports[2 * i + 1]),
                                                 "--cluster-config-file",
                                                 str(self.data_dir / f"node{i}" / "nodes.conf"),
                                                 "--cluster-node-timeout", "5000"])

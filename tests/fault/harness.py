@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,7 @@ class Pipeline:
             + CONFIG.format(model=model, n=NUM_GENERATIONS, g=GROUPS_PER_STEP))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.roles: dict[str, str] = {}  # name -> sluice subcommand
+        self.ended: set[str] = set()  # roles the test itself stopped or killed
         self.faults = 0
 
     def __enter__(self) -> Pipeline:
@@ -107,17 +109,50 @@ class Pipeline:
         p = spawn_role(role, self.config, *overrides, name=name,
                        log=self.tmp / "logs" / f"{name}.log")
         self.procs[name], self.roles[name] = p, role
+        self.ended.discard(name)
         return p
 
     def kill9(self, name: str) -> None:
         p = self.procs[name]
+        self.ended.add(name)
         os.kill(p.pid, signal.SIGKILL)
         p.wait(10)
         self.faults += 1
 
+    def expect_exit(self, name: str) -> None:
+        """``name`` is meant to exit on its own (e.g. a role refused at start): not a crash."""
+        self.ended.add(name)
+
+    def crashed(self) -> dict[str, int]:
+        """Roles whose process ended although the test did not end it (`kill9`, `stop`,
+        `expect_exit`): name -> exit code."""
+        return {n: p.returncode for n, p in self.procs.items()
+                if n not in self.ended and p.poll() is not None}
+
+    def check_alive(self, during: str) -> None:
+        """Fail naming every role that crashed, with its exit code and the tail of its
+        log (its traceback), so a crash reads as a crash, not as a condition that never
+        came."""
+        crashed = self.crashed()
+        if crashed:
+            raise AssertionError(
+                f"{', '.join(f'{n} exited with code {c}' for n, c in crashed.items())} "
+                f"{during}:\n" + "\n".join(self.log(n) for n in crashed))
+
+    def wait(self, pred: Callable[[], Any], timeout_s: float, what: str | Callable[[], str],
+             interval_s: float = 0.1) -> Any:
+        """`tests.helpers.wait_for`, checking at every poll that no role crashed."""
+        def alive_and(pred: Callable[[], Any] = pred) -> Any:
+            self.check_alive("while the test waited for "
+                             + (what if isinstance(what, str) else "its condition"))
+            return pred()
+
+        return wait_for(alive_and, timeout_s, what, interval_s)
+
     def stop(self, name: str, timeout_s: float = 60) -> int:
         """SIGTERM and wait; returns the exit code (0 = a clean stop)."""
         p = self.procs[name]
+        self.ended.add(name)
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
         try:
@@ -197,9 +232,9 @@ class Pipeline:
         return self.state().get("retired:trained", 0)
 
     def wait_trained(self, at_least: int, timeout_s: float = 120) -> None:
-        wait_for(lambda: self.trained() >= at_least, timeout_s,
-                 lambda: f"{at_least} trained groups (have {self.trained()})\n{self.logs()}",
-                 0.2)
+        self.wait(lambda: self.trained() >= at_least, timeout_s,
+                  lambda: f"{at_least} trained groups (have {self.trained()})\n{self.logs()}",
+                  0.2)
 
     def pending_ids(self, stream: str, group: str, consumer: str | None = None) -> set[bytes]:
         """Ids of the entries pending in ``group`` of stream ``stream`` (a short name:
@@ -272,10 +307,10 @@ class Pipeline:
             raw = self.r.hget(self.keys.workers, wids[n])
             return float(json.loads(raw).get("started", 0)) if raw else 0.0
 
-        wait_for(lambda: all(started(n) >= t for n, t in names.items()), timeout_s,
-                 lambda: (f"{sorted(n for n, t in names.items() if started(n) < t)} to "
-                          f"start (a heartbeat of the restarted process)\n{self.logs()}"),
-                 0.2)
+        self.wait(lambda: all(started(n) >= t for n, t in names.items()), timeout_s,
+                  lambda: (f"{sorted(n for n, t in names.items() if started(n) < t)} to "
+                           f"start (a heartbeat of the restarted process)\n{self.logs()}"),
+                  0.2)
 
     def audit(self, **kw: Any) -> AuditReport:
         async def view() -> Any:

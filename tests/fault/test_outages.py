@@ -16,7 +16,6 @@ import pytest
 from pipeline.bus.keys import SCORERS_GROUP
 from pipeline.ops.embedded import EmbeddedCluster
 from tests.fault.harness import GROUPS_PER_STEP, Pipeline
-from tests.helpers import wait_for
 
 pytestmark = pytest.mark.fault
 
@@ -39,12 +38,26 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / 100  # utime, stime in clock ticks (USER_HZ)
 
 
-def check_reconnected(p: Pipeline) -> None:
-    """Every role came back: a fresh heartbeat saying healthy, with a reconnect counted."""
-    for prefix in ("trainer/", "generator/", "scorer/s0", "scorer/s1"):
-        wait_for(lambda pre=prefix: (w := p.worker(pre)) and w["healthy"] and
-                 w.get("reconnects", 0) >= 1 and time.time() - w["t"] < 5, 30,
-                 lambda pre=prefix: f"{pre} to report itself reconnected\n{p.logs()}")
+PREFIXES = ("trainer/", "generator/", "scorer/s0", "scorer/s1")
+# How many times Redis is stopped and started again in a row after the long outage. Each
+# restart of a cluster is a window (about 2 s: a restarted master refuses writes until it
+# has seen its peers) in which nodes answer CLUSTERDOWN and redis-py's cluster client
+# closes every connection while the role's other coroutines are using them: the race that
+# once crashed a scorer in CI with an error redis-py did not classify
+# (`pipeline.bus.transient`). With the code before that fix, 16 flaps crashed a role in
+# most runs (docs/guarantees.md, "Outages"); a plain Redis has no such window and is
+# flapped less.
+FLAPS = {"cluster": 16, "redis": 3}
+
+
+def check_reconnected(p: Pipeline, times: int = 1) -> None:
+    """Every role came back: a fresh heartbeat saying healthy, with ``times`` reconnects
+    counted. A role that crashed meanwhile fails the wait at once, named."""
+    for prefix in PREFIXES:
+        p.wait(lambda pre=prefix: (w := p.worker(pre)) and w["healthy"] and
+               w.get("reconnects", 0) >= times and time.time() - w["t"] < 5, 30,
+               lambda pre=prefix: f"{pre} to report itself reconnected {times} time(s)\n"
+                                  f"{p.logs()}")
 
 
 def test_redis_restarted_then_down_ten_seconds(tmp_path, tiny_model_dir) -> None:
@@ -62,6 +75,8 @@ def test_redis_cluster_restarted_then_down_ten_seconds(tmp_path, tiny_model_dir)
 
 
 def restart_then_outage(pipeline: Pipeline) -> None:
+    """A clean restart, a 10 s outage, then quick restarts in a row (`FLAPS`); every role
+    survives each, and the whole history audits clean."""
     with pipeline as p:
         start_all(p)
         p.wait_trained(16)
@@ -84,17 +99,23 @@ def restart_then_outage(pipeline: Pipeline) -> None:
         used = {n: cpu_s(p.procs[n].pid) for n in ROLES}
         time.sleep(10)
         spent = {n: cpu_s(p.procs[n].pid) - used[n] for n in ROLES}
-        alive = {n: p.procs[n].poll() is None for n in ROLES}
+        p.check_alive("while Redis was down for 10 s")
         p.start_redis()
-        assert all(alive.values()), f"a role crashed while Redis was down: {alive}\n{p.logs()}"
         # waiting with capped backoff, not spinning: well under a core-second per second
         assert max(spent.values()) < 3.0, spent
-        wait_for(lambda: all(p.worker(pre).get("reconnects", 0) >= 2 for pre in (
-            "trainer/", "generator/", "scorer/s0", "scorer/s1")), 30,
-            lambda: f"every role to reconnect twice\n{p.logs()}")
+        check_reconnected(p, times=2)
+        p.wait_trained(p.trained() + 16)
+
+        for _ in range(FLAPS["cluster" if p.cluster else "redis"]):
+            p.stop_redis()
+            p.faults += 1
+            time.sleep(0.5)
+            p.start_redis()
+            p.check_alive("while Redis was restarted again and again")
+        check_reconnected(p, times=3)
         p.wait_trained(p.trained() + 16)
         p.stop_all()
-        p.assert_clean(min_trained=48)
+        p.assert_clean(min_trained=64)
 
 
 def test_trainer_stalled_generators_stop_at_the_window_memory_flat(pipeline: Pipeline
@@ -127,9 +148,9 @@ def test_trainer_stalled_generators_stop_at_the_window_memory_flat(pipeline: Pip
 
             at_rest = {"in_flight": window, "generating": 0, "leases": 0, "pending": 0,
                        "undelivered": False, "gate_closed": True}
-            wait_for(lambda: settled() == at_rest, 60,
-                     lambda: f"the stalled pipeline to come to rest {at_rest} (it is at "
-                             f"{settled()})\n{p.logs()}", 0.2)
+            p.wait(lambda: settled() == at_rest, 60,
+                   lambda: f"the stalled pipeline to come to rest {at_rest} (it is at "
+                           f"{settled()})\n{p.logs()}", 0.2)
             first = sample()
             samples: list[dict[str, int]] = []
             # flat for the rest of the stall, and for at least 5 s x (STALL_S - 10) // 5
@@ -161,7 +182,7 @@ def test_scorers_scaled_2_4_1_with_sigterm(pipeline: Pipeline) -> None:
         def names() -> set[str]:
             return p.consumers("rollouts", SCORERS_GROUP)
 
-        wait_for(lambda: {"s0", "s1", "s2", "s3"} <= names(), 60, f"4 scorers\n{p.logs()}")
+        p.wait(lambda: {"s0", "s1", "s2", "s3"} <= names(), 60, f"4 scorers\n{p.logs()}")
         p.wait_trained(p.trained() + 16)
         for n in ("s1", "s2", "s3"):  # scale down to one, each with SIGTERM
             assert p.stop(n) == 0, p.log(n)

@@ -85,6 +85,7 @@ def test_a_second_trainer_outside_the_job_is_refused(tmp_path, tiny_model_dir) -
         wait_for(lambda: p.worker("trainer/trainer-0").get("step") is not None, 120,
                  lambda: f"the first trainer to heartbeat\n{p.logs()}")
         second = p.start("train", "trainer-1")
+        p.expect_exit("trainer-1")
         rc = second.wait(120)
         assert rc != 0
         assert "another trainer job" in p.log("trainer-1"), p.log("trainer-1")
