@@ -28,7 +28,7 @@ producers and consumer for the baseline) / groups: with a null model and a trivi
 reward that is the bus's cost, an upper bound (the scorer's bookkeeping counts in it).
 
 The trainer step it is compared with: the tiny char model (`pipeline.model
-.init_tiny_model`, 2 layers, hidden 128) takes one optimizer step (`trainer.policy
+.init_tiny_model`, 2 layers, hidden 128) takes one optimizer step (`trainer.step
 .optimize`, padded layout, loss dapo, ``--step-threads`` torch threads) on
 ``--step-groups`` synthetic groups of each size's shape (`benchmarks.synthetic`);
 median of ``--step-repeats`` steps after a warm-up step, per group. Sizes whose

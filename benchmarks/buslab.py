@@ -34,7 +34,8 @@ import psutil
 from pipeline.bus.client import Bus
 from pipeline.bus.codec import encode
 from pipeline.bus.schema import Rollout, RolloutGroup
-from pipeline.ops.embedded import EmbeddedRedis, free_port
+from pipeline.ops.embedded import EmbeddedRedis
+from pipeline.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 76  # the tiny char model's vocabulary (`pipeline.model.VOCAB_SIZE`): ids 4..75
@@ -211,7 +212,7 @@ def trainer_step_s_per_group(group: RolloutGroup, *, groups: int, repeats: int,
     """Median wall seconds of one tiny-model optimizer step (after a warm-up step) on
     ``groups`` synthetic groups of ``group``'s shape, divided by ``groups``; None when a
     sample is over ``max_tokens``. Model: `pipeline.model.init_tiny_model`; step:
-    `trainer.policy.optimize`, padded layout, loss dapo, ``threads`` torch threads."""
+    `trainer.step.optimize`, padded layout, loss dapo, ``threads`` torch threads."""
     prompt, completion = len(group.prompt_ids), len(group.rollouts[0].completion_ids)
     if prompt + completion > max_tokens:
         return None
@@ -220,10 +221,10 @@ def trainer_step_s_per_group(group: RolloutGroup, *, groups: int, repeats: int,
 
     from benchmarks.synthetic import scored_groups
     from pipeline.model import VOCAB_SIZE, init_tiny_model, load_model
+    from pipeline.rl.losses import LossConfig
     from pipeline.runtime import set_threads
     from trainer.batch import build_batch
-    from trainer.loss import LossConfig
-    from trainer.policy import StepSettings, optimize
+    from trainer.step import StepSettings, optimize
 
     hf_logging.disable_progress_bar()
     set_threads(threads)

@@ -14,7 +14,7 @@ bf16 autocast (``StepSettings.compute_dtype``); ``--pure-bf16``: bf16 parameters
 autocast. Batches: ``--groups`` x ``--generations`` synthetic samples
 (`benchmarks.synthetic`), prompts of 128 tokens, completions drawn from 64-1024 tokens.
 
-Arms, each `trainer.policy.optimize` with ``micro_batch_tokens`` and one layout:
+Arms, each `trainer.step.optimize` with ``micro_batch_tokens`` and one layout:
 ``padded`` (packing off), ``packed`` (packing on, no prefix sharing), ``shared``
 (packing + ``trainer.prefix_sharing``, a tree mask over each group) and,
 only when the ``kernels`` package can load ``kernels-community/flash-attn`` from the
@@ -48,12 +48,12 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks.synthetic import scored_groups
+from pipeline.rl.losses import LossConfig
 from pipeline.runtime import set_threads
-from pipeline.transports import FileTransport
+from pipeline.weights import FileTransport
 from trainer.batch import Batch, build_batch
-from trainer.loss import LossConfig
 from trainer.packing import LayoutKind
-from trainer.policy import StepSettings, optimize
+from trainer.step import StepSettings, optimize
 
 FLASH = "kernels-community/flash-attn"
 Arm = tuple[str, LayoutKind, str]  # (name, layout, attention)

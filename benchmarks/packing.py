@@ -8,7 +8,7 @@ Model: the tiny random-init Qwen2 of `pipeline.model.init_tiny_model` (2 layers,
 ``--groups`` x ``--generations`` synthetic samples (`benchmarks.synthetic`), prompts
 of 32-128 tokens (one per group), completions drawn uniformly from 16-512 tokens.
 
-Each arm is `trainer.policy.optimize` (one AdamW step: forward, backward, clip, step)
+Each arm is `trainer.step.optimize` (one AdamW step: forward, backward, clip, step)
 with ``StepSettings.layout`` = ``padded`` (one row per sample, right-padded),
 ``packed`` (samples concatenated into rows, attention kept per sample by position ids)
 or ``shared`` (packed with each group's prompt written once, a 4D tree mask). Each arm
@@ -48,11 +48,11 @@ from transformers.utils import logging as hf_logging
 
 from benchmarks.synthetic import scored_groups
 from pipeline.model import VOCAB_SIZE, init_tiny_model, load_model
+from pipeline.rl.losses import LossConfig
 from pipeline.runtime import set_threads
 from trainer.batch import Batch, build_batch
-from trainer.loss import LossConfig
 from trainer.packing import LayoutKind, layout_cost, make_layout
-from trainer.policy import StepSettings, micro_batches, optimize
+from trainer.step import StepSettings, micro_batches, optimize
 
 ARMS: tuple[LayoutKind, ...] = ("padded", "packed", "shared")
 T = TypeVar("T")

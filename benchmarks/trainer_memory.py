@@ -13,9 +13,9 @@ each one ``loss.backward()`` of the same batch (no optimizer step):
 
 * ``before``: the trainer's old path, as ``compute_loss`` was before the lean logprobs:
   ``model(...).logits`` at every position ``[B, L, V]``, gathered to the completion
-  positions ``[B, T, V]`` (`trainer.policy.token_logps`), `grpo_loss`, and the entropy
+  positions ``[B, T, V]`` (`trainer.step.token_logps`), `grpo_loss`, and the entropy
   metric from those logits (`entropy_from_logits`);
-* ``padded`` / ``packed``: `trainer.policy.compute_loss` (the lean path,
+* ``padded`` / ``packed``: `trainer.step.compute_loss` (the lean path,
   `trainer.logprobs`): hidden states of trained positions only, the LM head applied
   ``--chunks`` tokens at a time (``StepSettings.chunk_tokens``, default 256), each
   chunk recomputed in backward; entropy per chunk. More sizes (``--chunks 256,64,1024``)
@@ -58,11 +58,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks.synthetic import scored_groups
+from pipeline.rl.losses import LossConfig, entropy_from_logits, grpo_loss
 from pipeline.runtime import set_threads
 from trainer.batch import Batch, build_batch
-from trainer.loss import LossConfig, entropy_from_logits, grpo_loss
 from trainer.packing import LayoutKind
-from trainer.policy import StepSettings, compute_loss, token_logps
+from trainer.step import StepSettings, compute_loss, token_logps
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = ("before", "padded", "packed")

@@ -28,12 +28,12 @@ from transformers import TrainerCallback
 from pipeline.model import load_model
 from workers.engines.transformers import TransformersEngine
 from workers.evaluator import evaluate
-from workers.rewards import load_reward, match_reward
-from workers.tasks import make_task
+from workers.tasks.catalog import make_task
+from workers.tasks.rewards import load_reward, match_reward
 
 # what sluice's evaluator uses with examples/copy.toml: pass@1 = greedy exact match
-EVAL_REWARDS = [load_reward("workers.rewards:copy_reward"),
-                load_reward("workers.rewards:exact_match", 0.0)]
+EVAL_REWARDS = [load_reward("workers.tasks.rewards:copy_reward"),
+                load_reward("workers.tasks.rewards:exact_match", 0.0)]
 
 
 def copy_reward(prompts: list, completions: list, completion_ids: list, answer: list,

@@ -340,7 +340,7 @@ class RewardSpec(_Section):
 
 class ScoringConfig(_Section):
     rewards: list[RewardSpec] = Field(
-        default_factory=lambda: [RewardSpec(fn="workers.rewards:copy_reward")]
+        default_factory=lambda: [RewardSpec(fn="workers.tasks.rewards:copy_reward")]
     )
     """Reward functions (called by keyword as TRL does: prompts, completions,
     completion_ids, every column) and weights; the total is the weighted sum. Empty only
@@ -366,7 +366,7 @@ class ScoringConfig(_Section):
     """Hook `package.module:function` replacing group advantages: called per group as
     `f(rewards=[...], completion_ids=[...], mask=[...], **columns)`, it returns one
     advantage per rollout, or per token (a list per rollout). Empty: GRPO's
-    (`scale_rewards`); `pipeline.advantages:rloo` is RLOO."""
+    (`scale_rewards`); `pipeline.rl.advantages:rloo` is RLOO."""
     teacher: str = ""
     """On-policy distillation: a teacher model (hub id or folder, same tokenizer
     vocabulary as the policy). Each sampled token's advantage becomes the group's reward
@@ -407,7 +407,7 @@ class TrainerConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient norm clip."""
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo"] = "dapo"
-    """Normalisation of the GRPO loss, as TRL's loss_type (see trainer/loss.py); `cispo`
+    """Normalisation of the GRPO loss, as TRL's loss_type (see pipeline/rl/losses.py); `cispo`
     is CISPO (MiniMax-M1): the ratio, capped at epsilon_high and detached, weights
     A·log π for every token; dapo's normaliser."""
     epsilon: float = Field(0.2, gt=0, lt=1)
@@ -609,7 +609,7 @@ class Config(_Section):
                              "generation.vllm.launch > 0 for `sluice up` to start servers")
         if self.environment.name and "rewards" not in self.scoring.model_fields_set:
             # an environment's own rewards, unless the run names its functions
-            self.scoring.rewards = [RewardSpec(fn="workers.rewards:env_reward")]
+            self.scoring.rewards = [RewardSpec(fn="workers.tasks.rewards:env_reward")]
         if self.environment.name and self.generation.rollout:
             raise ValueError("generation.rollout: a rollout hook produces the episodes itself; "
                              "it cannot be combined with environment.name")

@@ -164,7 +164,7 @@ async def run_group(runner: Any, engine: Any, tok: Any, prompt: dict[str, Any], 
     runs a group (`RolloutContext`, `TurnBatcher`) without the bus."""
     from workers.engines.base import SamplingParams
     from workers.episodes import RolloutContext, TurnBatcher
-    from workers.prompts import render_prompt
+    from workers.tasks.prompts import render_prompt
 
     ctx = RolloutContext(prompt, render_prompt(tok, prompt["text"]), n,
                          SamplingParams(max_new_tokens), tok, TurnBatcher(engine))

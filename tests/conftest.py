@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from pipeline.ops.embedded import EmbeddedCluster, EmbeddedRedis, free_port
+from pipeline.ops.embedded import EmbeddedCluster, EmbeddedRedis
+from pipeline.ports import free_port
 
 T = TypeVar("T")
 

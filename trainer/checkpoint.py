@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pipeline.model import adapter_state, adapter_to_model_keys, is_peft
-from pipeline.transports import ADAPTER_FILE
-from pipeline.transports.file import SINGLE_FILE as WEIGHTS_FILE
+from pipeline.weights import ADAPTER_FILE
+from pipeline.weights.file import SINGLE_FILE as WEIGHTS_FILE
 from trainer.distributed import Ranks, full_state
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler

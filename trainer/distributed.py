@@ -36,7 +36,7 @@ from torch import nn
 from pipeline.bus.codec import decode, encode
 from pipeline.bus.schema import Limits, ScoredGroup
 from pipeline.config import Config, ConfigError
-from trainer.policy import DataParallel
+from trainer.step import DataParallel
 
 log = logging.getLogger("sluice.trainer")
 

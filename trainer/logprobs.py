@@ -9,7 +9,7 @@ trained token (mask 1) are gathered into ``[N, H]``, and the LM head is applied 
 whatever N is. Entropy is computed from the same chunk, without gradient.
 
 Results are scattered back to ``[B, T]`` (zeros where the mask is 0), the shape the loss
-(`trainer.loss`) takes. The maths is `selective_log_softmax` / `candidate_log_softmax`
+(`pipeline.rl.losses`) takes. The maths is `selective_log_softmax` / `candidate_log_softmax`
 on each chunk, so values equal the full-logits path (tested to 1e-5).
 """
 
@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.model import is_peft
+from pipeline.rl.losses import candidate_log_softmax, entropy_from_logits, selective_log_softmax
 from trainer.batch import Batch
-from trainer.loss import candidate_log_softmax, entropy_from_logits, selective_log_softmax
 from trainer.packing import Layout
 
 

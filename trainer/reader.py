@@ -27,7 +27,7 @@ from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.bus.schema import ScoredGroup
 
 if TYPE_CHECKING:
-    from trainer.loop import Trainer
+    from trainer.trainer import Trainer
 
 log = logging.getLogger("sluice.trainer")
 

@@ -30,11 +30,11 @@ from transformers import get_scheduler
 from pipeline.config import Config, ConfigError
 from pipeline.devices import resolve_device, torch_dtype
 from pipeline.model import is_peft, load_model, load_policy
+from pipeline.rl.losses import LossConfig
 from trainer.distributed import Ranks, shard_model
 from trainer.logprobs import CompletionLogprobs, split_lm
-from trainer.loss import LossConfig
 from trainer.packing import LayoutKind
-from trainer.policy import StepSettings
+from trainer.step import StepSettings
 
 log = logging.getLogger("sluice.trainer")
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from pipeline.bus.schema import Rollout
 from workers.engines.base import Completion, Engine, SamplingParams
-from workers.prompts import Messages
+from workers.tasks.prompts import Messages
 
 
 @dataclass

@@ -37,15 +37,15 @@ from pipeline.metrics import start as start_metrics
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, set_threads
 from pipeline.tracking import Tracker, eval_metrics, open_tracker
-from pipeline.transports import WeightError, make_transport
+from pipeline.weights import WeightError, make_transport
 from workers.engines.base import Engine, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
 from workers.hooks import RolloutFn, load_rollout, render_group_prompt
-from workers.prompts import Messages, render_prompt
-from workers.rewards import RewardFn, episode_inputs, reward_matrix
 from workers.scorer import load_rewards
-from workers.tasks import task_from_config
+from workers.tasks.catalog import task_from_config
+from workers.tasks.prompts import Messages, render_prompt
+from workers.tasks.rewards import RewardFn, episode_inputs, reward_matrix
 
 log = logging.getLogger("sluice.evaluator")
 
@@ -55,8 +55,8 @@ async def reward_values(rewards: list[RewardFn], tokenizer: Any, prompts: list[d
                         ) -> list[list[float | None]]:
     """``[rollout][function]`` reward values (None where a function gave None, and for
     every function where the rollout failed: its environment or hook broke), the functions
-    called exactly as the scorer calls them (`workers.rewards.reward_matrix`: by keyword,
-    one call per function over every rollout; `workers.rewards.episode_inputs`)."""
+    called exactly as the scorer calls them (`workers.tasks.rewards.reward_matrix`: by keyword,
+    one call per function over every rollout; `workers.tasks.rewards.episode_inputs`)."""
     done = [i for i, e in enumerate(outs) if e is not None]
     rows: list[list[float | None]] = [[None] * len(rewards) for _ in outs]
     if not done:

@@ -8,7 +8,7 @@ the old weights; map each cursor to ``(epoch, prompt_index)`` by a per-epoch see
 shuffle; decode all their completions in one batch; append one `RolloutGroup` per prompt,
 all of a batch's appends in one pipelined round trip. A watcher coroutine follows
 ``control`` and queues each strictly newer, hash-verified weight version on the engine
-(verified and read in worker threads: `pipeline.transports`), which swaps it in between
+(verified and read in worker threads: `pipeline.weights`), which swaps it in between
 decode steps, so each token's version is exact.
 
 Invariant: once admitted, a group is appended exactly once or retired ``dead``. Each
@@ -43,14 +43,14 @@ from pipeline.devices import resolve_device
 from pipeline.metrics import start as start_metrics
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, join, set_threads
-from pipeline.transports import WeightError, make_transport
+from pipeline.weights import WeightError, make_transport
 from workers.engines.base import Engine, EngineError, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.environments.base import EpisodeFailure
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
 from workers.hooks import load_filter, load_rollout, render_group_prompt
-from workers.prompts import Messages
-from workers.tasks import prompt_for_cursor, task_from_config
+from workers.tasks.catalog import prompt_for_cursor, task_from_config
+from workers.tasks.prompts import Messages
 
 log = logging.getLogger("sluice.generator")
 T = TypeVar("T")

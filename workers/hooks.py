@@ -5,7 +5,7 @@
   (`workers.episodes.RolloutContext`) so tokens, logprobs and versions stay exact. The
   environment runner is one such function (`load_rollout`).
 - ``generation.filter_prompt``: ``f(prompt) -> bool``; False skips the prompt.
-- ``scoring.advantages``: see `pipeline.advantages.apply_hook`.
+- ``scoring.advantages``: see `pipeline.rl.advantages.apply_hook`.
 
 A hook that does not import (or is not callable) is a ``ConfigError`` naming its key, at
 start.
@@ -20,7 +20,7 @@ from pipeline.config import Config, ConfigError
 from pipeline.imports import load_callable
 from workers.environments.runner import EnvironmentRunner, episode_prompt
 from workers.episodes import Episode, RolloutContext
-from workers.prompts import Messages, render_prompt
+from workers.tasks.prompts import Messages, render_prompt
 
 RolloutFn = Callable[[dict[str, Any], RolloutContext], Awaitable[list[Episode]]]
 

@@ -11,7 +11,7 @@ A consumer in group ``scorers`` on ``rollouts``. Per entry, exactly one of:
   again later).
 Entries of crashed scorers are reclaimed with XAUTOCLAIM after ``claim_idle_ms``.
 
-Rewards are computed for a whole read at once (`workers.rewards.reward_matrix`: one call
+Rewards are computed for a whole read at once (`workers.tasks.rewards.reward_matrix`: one call
 per function over every completion of every decoded group, so a reward model sees a
 batch; the functions run concurrently, async ones awaited, sync ones each in a thread).
 If that call fails, each group is retried alone (concurrently), so a failure is charged
@@ -26,7 +26,7 @@ function's own error instead of dead-lettering every group.
 
 On-policy distillation (``scoring.teacher``, `workers.teacher`): the teacher scores
 every sampled token of the read (one batch, same whole-read-then-per-group rule as the
-rewards), and each rollout gets per-token advantages (`pipeline.distillation`): its
+rewards), and each rollout gets per-token advantages (`pipeline.rl.distillation`): its
 reward advantage (0 with ``scoring.rewards = []``) + ``teacher_coef`` x (teacher -
 behaviour logprob) at mask-1 tokens. ``advantages`` then holds their mean over mask-1
 tokens (reports); the ledger's ``adv_sum`` stays the sum of the reward advantages (the
@@ -55,12 +55,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pipeline.advantages import (
-    batch_advantages,
-    check_hook_advantages,
-    combine_rewards,
-    is_zero_variance,
-)
 from pipeline.bus import control
 from pipeline.bus.client import Bus, Entry, worker_id
 from pipeline.bus.codec import DecodeError, decode_entry, encode, peek_group_id
@@ -68,11 +62,18 @@ from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup
 from pipeline.config import Config, ConfigError, RewardSpec
-from pipeline.distillation import mean_over_mask, reverse_kl, token_advantages
 from pipeline.metrics import start as start_metrics
+from pipeline.rl.advantages import (
+    batch_advantages,
+    check_hook_advantages,
+    combine_rewards,
+    is_zero_variance,
+)
+from pipeline.rl.distillation import mean_over_mask, reverse_kl, token_advantages
 from pipeline.runtime import Heartbeat, connect, join, limits
 from workers.hooks import load_hook
-from workers.rewards import (
+from workers.tasks.catalog import Task, task_from_config
+from workers.tasks.rewards import (
     RewardError,
     RewardFn,
     episode_inputs,
@@ -80,7 +81,6 @@ from workers.rewards import (
     probe_reward,
     reward_matrix,
 )
-from workers.tasks import Task, task_from_config
 from workers.teacher import Teacher, TeacherError, check_vocab, load_teacher
 
 log = logging.getLogger("sluice.scorer")
@@ -161,7 +161,7 @@ class Scorer:
     async def hook_advantages(self, g: RolloutGroup, total: np.ndarray
                               ) -> tuple[np.ndarray, list[np.ndarray] | None]:
         """The ``scoring.advantages`` hook's advantages of group ``g`` (checked by
-        `pipeline.advantages.check_hook_advantages`); ``ValueError`` when it raises or
+        `pipeline.rl.advantages.check_hook_advantages`); ``ValueError`` when it raises or
         returns something else."""
         assert self.adv_hook is not None
         columns = {k: v for k, v in g.prompt.items() if k != "text"}
@@ -466,7 +466,7 @@ def load_rewards(cfg: Config, key: str = "scoring.rewards") -> list[RewardFn]:
 async def probe_rewards(cfg: Config, rewards: list[RewardFn], task: Task | None = None,
                         key: str = "scoring.rewards") -> None:
     """Call each reward once on a held-out prompt of the task (the first training prompt
-    if there is none; `workers.rewards.probe_reward`). ``ConfigError`` naming the first
+    if there is none; `workers.tasks.rewards.probe_reward`). ``ConfigError`` naming the first
     function (under ``key``) that cannot be called, with its own error message."""
     task = task or task_from_config(cfg)
     held = task.heldout(1)

@@ -1,7 +1,7 @@
 """What a group's ``prompt`` dict may hold on the wire, and the codec's error type.
 
 Split from `pipeline.bus.codec` (which re-exports both names): the one rule for prompt
-values, shared by the decoder and by `workers.data` (what a dataset row may carry).
+values, shared by the decoder and by `workers.tasks.data` (what a dataset row may carry).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _MAX_PROMPT_DEPTH = 16
 def check_prompt_value(x: Any, where: str, depth: int = 0) -> None:
     """A prompt column that can travel on the wire: a scalar, None, or lists (tuples) and
     string-keyed maps of these, at most 16 levels deep; floats finite. The one rule for
-    what a dataset row may carry (`workers.data`) and what a decoded message may hold.
+    what a dataset row may carry (`workers.tasks.data`) and what a decoded message may hold.
     Raises `DecodeError` (a ValueError) naming ``where``."""
     if depth > _MAX_PROMPT_DEPTH:
         raise DecodeError(f"{where}: nested deeper than {_MAX_PROMPT_DEPTH} levels")

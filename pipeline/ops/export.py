@@ -51,9 +51,9 @@ import torch
 from pipeline.bus.schema import WeightsPublished
 from pipeline.config import LoraConfig, load_config
 from pipeline.devices import DTYPES
-from pipeline.transports import ADAPTER_FILE, MANIFEST, WeightError, WeightStore, table_sha256
-from pipeline.transports.file import SINGLE_FILE, aliases, read_full
-from pipeline.transports.lora import read_adapter
+from pipeline.weights import ADAPTER_FILE, MANIFEST, WeightError, WeightStore, table_sha256
+from pipeline.weights.file import SINGLE_FILE, aliases, read_full
+from pipeline.weights.lora import read_adapter
 
 RUN_JSON = "run.json"
 RUN_JSON_FORMAT = 1

@@ -38,10 +38,11 @@ from typing import Any
 from pipeline.bus.security import COMMAND_ROLES, env_for_role
 from pipeline.config import Config, ConfigError
 from pipeline.evaluation import parse_target
-from pipeline.ops.embedded import EmbeddedRedis, free_port
+from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.ops.monitor import snapshot
 from pipeline.ops.restarts import RestartPolicy
 from pipeline.ops.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
+from pipeline.ports import free_port
 from pipeline.runtime import connect, redis_options
 from workers.engines.vllm_server import LocalServer, launch
 
@@ -95,7 +96,7 @@ class Supervisor:
                     "--nproc_per_node", str(self.cfg.up.trainer_ranks),
                     "--max-restarts", str(self.cfg.up.trainer_restarts),
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                    "-m", "trainer", self.config_path]
+                    "-m", "pipeline.ops.cli", "train", self.config_path]
         # its own /metrics port (up.metrics), fresh on every start: a restarted role never
         # waits for its old port, and one taken since `free_port` fails only that start
         port = free_port() if self.cfg.up.metrics else 0

@@ -24,9 +24,9 @@ from pipeline.model import init_tiny_model, load_model
 from tests.helpers import run_up, up_args
 from workers.engines.transformers import TransformersEngine
 from workers.evaluator import evaluate
-from workers.prompts import render_prompt
-from workers.rewards import load_reward
-from workers.tasks import make_task, task_from_config
+from workers.tasks.catalog import make_task, task_from_config
+from workers.tasks.prompts import render_prompt
+from workers.tasks.rewards import load_reward
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +60,7 @@ rewards = []           # pure distillation: the teacher is the only signal
 teacher_coef = 1.0
 
 [eval]
-rewards = [{ fn = "workers.rewards:exact_match" }]   # pass@1 = held-out exact match
+rewards = [{ fn = "workers.tasks.rewards:exact_match" }]   # pass@1 = held-out exact match
 
 [trainer]
 groups_per_step = 8

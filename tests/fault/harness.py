@@ -24,7 +24,8 @@ from pipeline.bus.client import Bus
 from pipeline.bus.keys import Keys
 from pipeline.bus.lanes import Lanes, add_states
 from pipeline.bus.ledger import read_ledgers
-from pipeline.ops.embedded import EmbeddedCluster, EmbeddedRedis, free_port
+from pipeline.ops.embedded import EmbeddedCluster, EmbeddedRedis
+from pipeline.ports import free_port
 from tests.helpers import run_header, spawn_role, wait_for
 
 NUM_GENERATIONS = 4
@@ -46,7 +47,7 @@ batch_groups = 2
 lease_s = 3
 threads = 1
 [scoring]
-rewards = [{{ fn = "workers.rewards:copy_reward" }}]
+rewards = [{{ fn = "workers.tasks.rewards:copy_reward" }}]
 [trainer]
 groups_per_step = {g}
 max_staleness = 1

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from pipeline.bus.keys import TRAINERS_GROUP
-from pipeline.ops.embedded import free_port
 from pipeline.ops.up import child_pids, stop_gracefully
+from pipeline.ports import free_port
 from tests.fault.harness import GROUPS_PER_STEP, Pipeline
 from tests.helpers import ROOT, wait_for
 
@@ -27,7 +27,8 @@ def start_job(p: Pipeline, name: str, ranks: int, restarts: int) -> subprocess.P
     (p.tmp / "logs").mkdir(exist_ok=True)
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
             "--max-restarts", str(restarts), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "trainer", str(p.config),
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "pipeline.ops.cli", "train",
+            str(p.config),
             "--name", "trainer-0"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from benchmarks.synthetic import scored_groups
 from pipeline.config import load_config
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 
 
 def main() -> None:

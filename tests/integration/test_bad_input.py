@@ -33,9 +33,9 @@ from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.ops.monitor import snapshot
 from tests.conftest import arun
 from tests.helpers import make_group, wait_for_async
-from trainer.loop import Trainer
-from workers.rewards import copy_reward
+from trainer.trainer import Trainer
 from workers.scorer import Scorer
+from workers.tasks.rewards import copy_reward
 
 pytestmark = pytest.mark.integration
 

@@ -30,7 +30,7 @@ from pipeline.bus.codec import encode
 from pipeline.bus.schema import SCHEMA_VERSION, WeightsPublished
 from pipeline.config import Config, load_config
 from pipeline.ops.embedded import EmbeddedRedis
-from pipeline.transports import INDEX, FileTransport
+from pipeline.weights import INDEX, FileTransport
 from tests.conftest import arun
 from workers.generator import Generator
 

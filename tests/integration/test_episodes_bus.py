@@ -22,7 +22,7 @@ from workers.environments import Action, StepResult
 from workers.episodes import Episode, RolloutContext
 from workers.generator import Generator
 from workers.scorer import Scorer
-from workers.tasks import prompt_for_cursor
+from workers.tasks.catalog import prompt_for_cursor
 
 pytestmark = pytest.mark.integration
 HERE = "tests.integration.test_episodes_bus"
@@ -195,7 +195,7 @@ def test_a_hook_that_does_not_import_fails_at_start(tiny_model_dir: Path,
         Generator(cfg, "g")
 
 
-@pytest.mark.parametrize("hook", ["pipeline.advantages:rloo", f"{HERE}:per_token"])
+@pytest.mark.parametrize("hook", ["pipeline.rl.advantages:rloo", f"{HERE}:per_token"])
 def test_scoring_advantages_hook(redis_server: EmbeddedRedis, run_name: str,
                                  tiny_model_dir: Path, tmp_path: Path, hook: str) -> None:
     cfg = _cfg(redis_server, run_name, tiny_model_dir, tmp_path,

@@ -49,7 +49,7 @@ from pipeline.runtime import limits as run_limits
 from tests.conftest import arun
 from tests.helpers import key_paths, value_at
 from trainer.batch import build_batch, completion_logits
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 from workers.scorer import Scorer
 
 pytestmark = pytest.mark.integration

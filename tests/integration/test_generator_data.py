@@ -19,8 +19,8 @@ from pipeline.model import load_tokenizer
 from pipeline.ops.embedded import EmbeddedRedis
 from tests.conftest import arun
 from workers.generator import Generator
-from workers.prompts import render_prompt
-from workers.tasks import task_from_config
+from workers.tasks.catalog import task_from_config
+from workers.tasks.prompts import render_prompt
 
 pytestmark = pytest.mark.integration
 

@@ -90,7 +90,7 @@ def test_generator_with_no_reachable_server_reports_unhealthy_and_stops_cleanly(
     import redis
 
     from pipeline.bus.keys import Keys
-    from pipeline.ops.embedded import free_port
+    from pipeline.ports import free_port
     from tests.helpers import run_header, spawn_role, wait_for, write_config
 
     cfg = write_config(tmp_path / "g.toml", run_header(

@@ -54,7 +54,7 @@ def _torchrun(tmp: Path, model: Path, nproc: int, name: str,
 
 
 def _free_port() -> int:
-    from pipeline.ops.embedded import free_port
+    from pipeline.ports import free_port
 
     return free_port()
 

@@ -50,7 +50,7 @@ def _config(tmp_path: Path, run_name: str, url: str, model: Path, *sets: str):
         "scoring.zero_variance=filter", "scoring.teacher_coef=0.5", *sets])
 
 
-@pytest.mark.parametrize("rewards", ["[]", "[{fn='workers.rewards:copy_reward'}]"])
+@pytest.mark.parametrize("rewards", ["[]", "[{fn='workers.tasks.rewards:copy_reward'}]"])
 def test_scorer_hands_off_per_token_teacher_advantages_and_keeps_flat_groups(
         redis_server: EmbeddedRedis, run_name: str, tmp_path: Path, tiny_model_dir: Path,
         rewards: str) -> None:

@@ -32,8 +32,8 @@ import redis
 from pipeline.bus.client import Bus
 from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP, Keys
 from pipeline.bus.security import Credentials, load_credentials_file
-from pipeline.ops.embedded import free_port
 from pipeline.ops.monitor import snapshot
+from pipeline.ports import free_port
 from tests.helpers import ROOT, RedisProcess, make_certs, role_logs, run_header, tls_args
 
 pytestmark = pytest.mark.integration

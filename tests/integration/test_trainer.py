@@ -19,7 +19,7 @@ from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.ops.monitor import snapshot
 from tests.conftest import arun
 from tests.helpers import make_group
-from trainer.loop import StaleSampleError, Trainer
+from trainer.trainer import StaleSampleError, Trainer
 
 pytestmark = pytest.mark.integration
 

@@ -14,10 +14,10 @@ from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.config import Config, load_config
 from pipeline.model import adapter_state, load_policy
 from pipeline.ops.embedded import EmbeddedRedis
-from pipeline.transports import ADAPTER_FILE, LoraTransport
+from pipeline.weights import ADAPTER_FILE, LoraTransport
 from tests.conftest import arun
 from tests.integration.test_trainer import _scored
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 from workers.engines.transformers import TransformersEngine
 
 pytestmark = pytest.mark.integration

@@ -29,7 +29,7 @@ from pipeline.config import Config, load_config
 from pipeline.ops.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import make_group
-from trainer.loop import StaleSampleError, Trainer
+from trainer.trainer import StaleSampleError, Trainer
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""pipeline.advantages against hand-computed values."""
+"""pipeline.rl.advantages against hand-computed values."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.advantages import (
+from pipeline.rl.advantages import (
     batch_advantages,
     combine_rewards,
     group_advantages,
@@ -154,7 +154,7 @@ def test_is_zero_variance() -> None:
 
 
 def test_rloo_is_leave_one_out_and_sums_to_zero() -> None:
-    from pipeline.advantages import rloo
+    from pipeline.rl.advantages import rloo
 
     r = [1.0, 0.0, 0.5, 0.5]
     got = rloo(rewards=r)
@@ -164,7 +164,7 @@ def test_rloo_is_leave_one_out_and_sums_to_zero() -> None:
 
 
 def test_check_hook_advantages_accepts_rows_or_tokens_and_names_the_problem() -> None:
-    from pipeline.advantages import check_hook_advantages
+    from pipeline.rl.advantages import check_hook_advantages
 
     adv, tok = check_hook_advantages([0.5, -0.5], [3, 2], "h")
     assert adv.tolist() == [0.5, -0.5] and tok is None

@@ -18,8 +18,8 @@ import torch
 from pipeline.bus.codec import decode, encode
 from pipeline.bus.schema import Limits, Rollout, RolloutGroup, ScoredGroup
 from pipeline.model import init_tiny_model, load_model
+from pipeline.rl.losses import selective_log_softmax
 from trainer.batch import Batch, build_batch, completion_logits
-from trainer.loss import selective_log_softmax
 from workers.engines import SamplingParams
 from workers.engines.transformers import TransformersEngine
 

@@ -16,10 +16,10 @@ import torch
 from pipeline.bus.codec import DecodeError, decode, encode
 from pipeline.bus.schema import Limits, Rollout, RolloutGroup, ScoredGroup
 from pipeline.model import init_tiny_model, load_model
+from pipeline.rl.losses import candidate_log_softmax, selective_log_softmax
 from trainer.batch import build_batch
-from trainer.loop import Trainer
-from trainer.loss import candidate_log_softmax, selective_log_softmax
-from trainer.policy import token_logps
+from trainer.step import token_logps
+from trainer.trainer import Trainer
 from workers.engines import SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.episodes import Episode

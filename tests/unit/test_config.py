@@ -22,7 +22,7 @@ def test_defaults_validate() -> None:
     cfg = load_config(None)
     assert cfg == Config()
     assert cfg.trainer.max_staleness == 1 and cfg.generation.num_generations == 8
-    assert [r.fn for r in cfg.scoring.rewards] == ["workers.rewards:copy_reward"]
+    assert [r.fn for r in cfg.scoring.rewards] == ["workers.tasks.rewards:copy_reward"]
 
 
 def test_examples_directory_ships_configs() -> None:
@@ -40,7 +40,7 @@ def test_copy_example_values_are_read_not_defaulted() -> None:
     assert cfg.run.name == "copy"
     assert cfg.trainer.max_steps == 6000 and cfg.up.generators == 2
     assert [(r.fn, r.weight) for r in cfg.scoring.rewards] == [
-        ("workers.rewards:copy_reward", 1.0), ("workers.rewards:exact_match", 0.0)]
+        ("workers.tasks.rewards:copy_reward", 1.0), ("workers.tasks.rewards:exact_match", 0.0)]
 
 
 # ---------------------------------------------------------------- errors name the key

@@ -12,9 +12,9 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.model import load_tokenizer
-from workers.data import load_hf_task
-from workers.prompts import render_prompt
-from workers.tasks import task_from_config
+from workers.tasks.catalog import task_from_config
+from workers.tasks.data import load_hf_task
+from workers.tasks.prompts import render_prompt
 
 CHAT = ("{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}={% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}")  # characters the tiny vocab has
@@ -154,7 +154,7 @@ def test_gsm8k_shaped_rows_reach_trls_accuracy_reward_unchanged(tmp_path: Path) 
 
     import numpy as np
 
-    from workers.rewards import load_reward, reward_matrix
+    from workers.tasks.rewards import load_reward, reward_matrix
 
     pytest.importorskip("math_verify")
     rows = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = <<{i}+{i}={2 * i}>>"

@@ -1,11 +1,11 @@
-"""pipeline.distillation (on-policy distillation advantages) against hand-computed values."""
+"""pipeline.rl.distillation (on-policy distillation advantages) against hand-computed values."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipeline.distillation import mean_over_mask, reverse_kl, token_advantages
+from pipeline.rl.distillation import mean_over_mask, reverse_kl, token_advantages
 
 F = np.float32
 

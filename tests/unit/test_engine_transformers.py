@@ -260,7 +260,7 @@ def test_tied_embeddings_reload_refreshes_lm_head(tmp_path: Path, alias: str) ->
     transport publishes) or drops it (what ``save_pretrained`` writes): the engine's
     lm_head stays tied and is the new embedding, so greedy tokens and logprobs equal the
     trained model's."""
-    from pipeline.transports import FileTransport
+    from pipeline.weights import FileTransport
 
     base = init_tiny_model(tmp_path / "tied", seed=0, tie_word_embeddings=True)
     trained = _trained(base, seed=1)

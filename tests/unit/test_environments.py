@@ -34,8 +34,8 @@ from workers.environments.runner import (
     observation_text,
 )
 from workers.episodes import Episode, RolloutContext, TurnBatcher
-from workers.prompts import render_prompt
-from workers.tasks import GuessTask
+from workers.tasks.catalog import GuessTask
+from workers.tasks.prompts import render_prompt
 
 torch.set_num_threads(1)
 

@@ -12,8 +12,8 @@ from pipeline.model import init_tiny_model, load_model
 from workers.engines.base import SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.evaluator import evaluate
-from workers.rewards import load_reward
-from workers.tasks import make_task
+from workers.tasks.catalog import make_task
+from workers.tasks.rewards import load_reward
 
 
 def always_one(prompts: list[Any], completions: list[str], completion_ids: list[Any],
@@ -32,8 +32,8 @@ def test_evaluate_reports_rewards_greedy_pass_and_sampled_pass_at_k(
         engine_and_tok: tuple[TransformersEngine, Any]) -> None:
     engine, tok = engine_and_tok
     prompts = make_task("copy", seed=0, num_prompts=16).heldout(12)
-    rewards = [load_reward("workers.rewards:copy_reward"),
-               load_reward("workers.rewards:exact_match", 0.0)]
+    rewards = [load_reward("workers.tasks.rewards:copy_reward"),
+               load_reward("workers.tasks.rewards:exact_match", 0.0)]
     row = asyncio.run(evaluate(engine, tok, prompts, 8, rewards, num_samples=4,
                                pass_at=[1, 4, 8], sampling=SamplingParams(8)))
     assert set(row) == {"reward", "pass@1", "rewards/copy_reward", "rewards/exact_match",

@@ -2,7 +2,7 @@
 exported, loaded back with transformers / peft, and compared logit for logit.
 
 A run directory here is what a run leaves: ``run.json`` (written by the test following
-its contract), versions published through `pipeline.transports.make_transport` (what
+its contract), versions published through `pipeline.weights.make_transport` (what
 the trainer publishes with) and checkpoints written by `trainer.checkpoint.Checkpointer`.
 """
 
@@ -24,7 +24,7 @@ from pipeline.config import Config
 from pipeline.model import apply_lora, init_tiny_model, load_model, load_tokenizer
 from pipeline.ops.cli import main as cli_main
 from pipeline.ops.export import ExportError, export_run
-from pipeline.transports import MANIFEST, WeightError, make_transport
+from pipeline.weights import MANIFEST, WeightError, make_transport
 from trainer.checkpoint import Checkpointer, TrainerState
 
 ROOT = Path(__file__).resolve().parents[2]

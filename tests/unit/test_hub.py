@@ -17,7 +17,7 @@ from pipeline.model import load_model, load_policy
 from tests.helpers import add_hub_snapshot, build_bpe_model, build_slow_tokenizer_model
 from workers.engines import SamplingParams
 from workers.engines.transformers import TransformersEngine
-from workers.prompts import render_prompt
+from workers.tasks.prompts import render_prompt
 
 torch.set_num_threads(1)
 SHA1, SHA2 = "1" * 40, "2" * 40

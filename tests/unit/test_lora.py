@@ -18,7 +18,8 @@ from transformers import DynamicCache
 from pipeline.bus.schema import ScoredGroup
 from pipeline.config import Config, load_config
 from pipeline.model import adapter_state, init_tiny_model, load_model, load_policy
-from pipeline.transports import (
+from pipeline.rl.losses import LossConfig
+from pipeline.weights import (
     ADAPTER_CONFIG,
     ADAPTER_FILE,
     MANIFEST,
@@ -31,9 +32,8 @@ from pipeline.transports import (
 from tests.helpers import check_pause_keep_swap, make_group
 from trainer.batch import Batch, build_batch
 from trainer.checkpoint import Checkpointer, TrainerState
-from trainer.loop import Trainer
-from trainer.loss import LossConfig
-from trainer.policy import StepSettings, compute_loss, optimize, reference_logps, token_logps
+from trainer.step import StepSettings, compute_loss, optimize, reference_logps, token_logps
+from trainer.trainer import Trainer
 from workers.engines import Completion, SamplingParams
 from workers.engines.transformers import TransformersEngine, WeightMismatchError
 from workers.evaluator import Evaluator

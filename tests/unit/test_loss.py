@@ -1,4 +1,4 @@
-"""trainer.loss against hand-computed values (B=2, T=3)."""
+"""pipeline.rl.losses against hand-computed values (B=2, T=3)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.loss import (
+from pipeline.rl.losses import (
     LossConfig,
     entropy_from_logits,
     grpo_loss,

@@ -25,9 +25,9 @@ import torch
 
 from pipeline.bus.schema import Rollout, RolloutGroup, ScoredGroup
 from pipeline.model import init_tiny_model, load_model
+from pipeline.rl.losses import LossConfig, LossNorm, entropy_from_logits, grpo_loss
 from trainer.batch import Batch, build_batch, completion_logits
-from trainer.loss import LossConfig, LossNorm, entropy_from_logits, grpo_loss
-from trainer.policy import (
+from trainer.step import (
     StepSettings,
     compute_loss,
     gradient_rows,
@@ -64,7 +64,7 @@ def is_diff(b: int, t: int) -> float:
 def hand_loss(lp: list[list[float]], adv: list[list[float]], *, loss_type: str,
               level: str = "token", beta: float = 0.0, is_level: str = "token") -> float:
     """The GRPO-family loss written out per token with plain floats (module docstring of
-    trainer.loss), reading only mask-1 positions. ``adv`` is per token; ``is_level``
+    pipeline.rl.losses), reading only mask-1 positions. ``adv`` is per token; ``is_level``
     "sequence" is the ``sequence_truncate`` IS weight (one per row)."""
     rows = []
     for b, m in enumerate(MASK):

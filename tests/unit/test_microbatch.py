@@ -17,10 +17,10 @@ import torch
 
 from benchmarks.synthetic import scored_groups
 from pipeline.model import init_tiny_model, load_model
+from pipeline.rl.losses import LossConfig
 from trainer.batch import Batch, build_batch
-from trainer.loss import LossConfig
 from trainer.packing import layout_cost, make_layout
-from trainer.policy import (
+from trainer.step import (
     StepSettings,
     compute_loss,
     lean_logps,

@@ -1,4 +1,4 @@
-"""trainer.offpolicy and the off-policy options of grpo_loss, against hand-computed values.
+"""pipeline.rl.offpolicy and the off-policy options of grpo_loss, against hand-computed values.
 
 Convention: the policy's ``logps`` are 0 (a leaf), so a behaviour logprob of ``-ln r``
 makes the token ratio ``π / π_behaviour`` equal ``r``.
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from pipeline.config import TrainerConfig
-from tests.unit.test_loss import close, t
-from trainer.loss import LossConfig, grpo_loss, importance_weights
-from trainer.offpolicy import (
+from pipeline.rl.losses import LossConfig, grpo_loss, importance_weights
+from pipeline.rl.offpolicy import (
     cispo_per_token,
     geometric_mean_mask,
     reference_logps,
     sequence_log_ratio,
 )
+from tests.unit.test_loss import close, t
 
 LN2 = math.log(2.0)
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from workers.rewards import (
+from workers.tasks.rewards import (
     RewardError,
     RewardFn,
     call_reward,
@@ -74,19 +74,19 @@ def test_exact_match_and_format() -> None:
 
 
 def test_load_reward_ok() -> None:
-    rf = load_reward("workers.rewards:copy_reward", weight=0.5)
+    rf = load_reward("workers.tasks.rewards:copy_reward", weight=0.5)
     assert rf == RewardFn(name="copy_reward", fn=match_reward, weight=0.5)
 
 
 @pytest.mark.parametrize(
     ("path", "message"),
     [
-        ("workers.rewards", "expected 'package.module:function'"),
+        ("workers.tasks.rewards", "expected 'package.module:function'"),
         (":copy_reward", "expected 'package.module:function'"),
-        ("workers.rewards:", "expected 'package.module:function'"),
+        ("workers.tasks.rewards:", "expected 'package.module:function'"),
         ("a:b:c", "expected 'package.module:function'"),
         ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
-        ("workers.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
+        ("workers.tasks.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
         ("math:pi", "'pi' is float, not callable"),
     ],
 )
@@ -98,7 +98,7 @@ def test_load_reward_errors_name_the_path(path: str, message: str) -> None:
 
 def test_reward_fn_rejects_bad_weight() -> None:
     with pytest.raises(ValueError, match="finite"):
-        load_reward("workers.rewards:exact_match", weight=float("nan"))
+        load_reward("workers.tasks.rewards:exact_match", weight=float("nan"))
 
 
 def _call(fn: Any, timeout_s: float = 5.0, n: int = 2) -> list[float | None]:
@@ -237,7 +237,7 @@ def test_trl_reward_functions_run_unchanged() -> None:
 
 def test_probe_reports_the_functions_own_error_and_accepts_a_working_one() -> None:
     prompt = {"text": "12=", "answer": "12"}
-    assert asyncio.run(probe_reward(load_reward("workers.rewards:exact_match"), prompt, 5)) \
+    assert asyncio.run(probe_reward(load_reward("workers.tasks.rewards:exact_match"), prompt, 5)) \
         is None
     problem = asyncio.run(probe_reward(RewardFn("kw", _keyword_only), prompt, 5))
     assert problem == ("TypeError: _keyword_only() missing 1 required keyword-only argument: "
@@ -270,7 +270,7 @@ def test_a_hung_sync_reward_times_out_without_keeping_the_process() -> None:
 
 
 def test_boxed_format_reward_wants_exactly_one_boxed_answer() -> None:
-    from workers.rewards import boxed_format_reward
+    from workers.tasks.rewards import boxed_format_reward
 
     got = boxed_format_reward(completions=["so \\boxed{72}", "72", "\\boxed{1} \\boxed{2}",
                                            [{"role": "assistant", "content": "\\boxed{x}"}]])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import ConfigError, load_config
-from workers.rgym import reasoning_gym_score
-from workers.tasks import task_from_config
+from workers.tasks.catalog import task_from_config
+from workers.tasks.rgym import reasoning_gym_score
 
 pytest.importorskip("reasoning_gym")
 ARGS = ["task.name=reasoning_gym", "task.dataset=spell_backward", "task.num_prompts=300",

@@ -9,7 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from workers.tasks import (
+from workers.tasks.catalog import (
     TASK_NAMES,
     AddTask,
     CopyTask,
@@ -177,7 +177,7 @@ def test_jsonl_empty_file_is_an_error(tmp_path: Path) -> None:
 def test_make_task(tmp_path: Path) -> None:
     task = make_task("copy", seed=1, num_prompts=50)
     assert isinstance(task, CopyTask) and len(task) == 50
-    assert task.default_rewards == ["workers.rewards:match_reward"]
+    assert task.default_rewards == ["workers.tasks.rewards:match_reward"]
     assert isinstance(make_task("Reverse", seed=1, num_prompts=5), ReverseTask)
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}])
     assert len(make_task("jsonl", seed=0, num_prompts=1, path=str(path))) == 1

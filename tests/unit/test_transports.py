@@ -1,8 +1,8 @@
-"""pipeline.transports: one contract test run on every transport that works on CPU
+"""pipeline.weights: one contract test run on every transport that works on CPU
 (`file`, `lora`), then what is particular to each: sharding, the index and tied
 embeddings (`file`), the push-then-files order (`nccl`, against a fake sync).
 
-The contract (pipeline/transports/base.py): a version is visible complete or not at
+The contract (pipeline/weights/base.py): a version is visible complete or not at
 all; `receive` returns only a verified directory inside the store (every file hashed
 against the manifest, the manifest's table against the announcement, nothing unlisted);
 both halves work off the event loop.
@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 from pipeline.bus.schema import WeightsPublished
 from pipeline.config import LoraConfig, load_config
 from pipeline.model import adapter_state, apply_lora, init_tiny_model, load_model
-from pipeline.transports import (
+from pipeline.weights import (
     INDEX,
     MANIFEST,
     FileTransport,
@@ -42,8 +42,8 @@ from pipeline.transports import (
     sha256_file,
     table_sha256,
 )
-from pipeline.transports.file import SINGLE_FILE, shard_name
-from pipeline.transports.nccl import NCCLTransport
+from pipeline.weights.file import SINGLE_FILE, shard_name
+from pipeline.weights.nccl import NCCLTransport
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""pipeline.transports.nccl: the HTTP orchestration of vLLM's NCCL weight transfer.
+"""pipeline.weights.nccl: the HTTP orchestration of vLLM's NCCL weight transfer.
 
 No GPU: the NCCL join and broadcast are replaced by fakes that block until the servers'
 side of the "rendezvous" arrives (as NCCL would), so concurrency is checked, not assumed.
@@ -24,8 +24,8 @@ import pytest
 import torch
 from aiohttp import web
 
-from pipeline.ops.embedded import free_port
-from pipeline.transports.nccl import NCCLWeightSync, WeightSyncError, update_info
+from pipeline.ports import free_port
+from pipeline.weights.nccl import NCCLWeightSync, WeightSyncError, update_info
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 5.0

@@ -5,7 +5,7 @@ TRL (a test-only dependency, pinned in the ``dev`` extra) runs its real code pat
 weights, ``scale_rewards``, old logprobs, the vLLM importance-sampling correction, the
 reference model) and ``compute_loss``; the only thing replaced is generation, through
 TRL's public ``rollout_func`` hook, which returns fixed token ids and "sampler" logprobs.
-sluice runs ``pipeline.advantages`` (what the scorer runs) and ``trainer.policy`` (what
+sluice runs ``pipeline.rl.advantages`` (what the scorer runs) and ``trainer.step`` (what
 the trainer runs) on the same rows. Loss, advantages and every parameter's gradient must
 agree to 1e-5.
 
@@ -34,12 +34,12 @@ import torch
 datasets = pytest.importorskip("datasets")  # installed with trl (dev extra)
 trl = pytest.importorskip("trl")
 
-from pipeline.advantages import batch_advantages, combine_rewards  # noqa: E402
 from pipeline.bus.schema import Rollout, RolloutGroup, ScoredGroup  # noqa: E402
 from pipeline.model import load_model  # noqa: E402
+from pipeline.rl.advantages import batch_advantages, combine_rewards  # noqa: E402
+from pipeline.rl.losses import LossConfig  # noqa: E402
 from trainer.batch import Batch, build_batch  # noqa: E402
-from trainer.loss import LossConfig  # noqa: E402
-from trainer.policy import StepSettings, compute_loss, optimize, token_logps  # noqa: E402
+from trainer.step import StepSettings, compute_loss, optimize, token_logps  # noqa: E402
 
 EOS = 1
 PROMPTS = [[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]]

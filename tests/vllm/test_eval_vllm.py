@@ -11,11 +11,11 @@ from pipeline.model import load_model
 from tests.vllm.conftest import VLLMServer
 from workers.engines.transformers import TransformersEngine
 from workers.evaluator import eval_vllm_engine, evaluate
-from workers.rewards import load_reward
-from workers.tasks import make_task
+from workers.tasks.catalog import make_task
+from workers.tasks.rewards import load_reward
 
-REWARDS = [load_reward("workers.rewards:copy_reward"),
-           load_reward("workers.rewards:exact_match", 0.0)]
+REWARDS = [load_reward("workers.tasks.rewards:copy_reward"),
+           load_reward("workers.tasks.rewards:exact_match", 0.0)]
 
 
 def test_eval_on_vllm_equals_eval_in_process_for_a_new_version(

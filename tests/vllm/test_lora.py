@@ -15,7 +15,7 @@ import torch
 
 from pipeline.config import LoraConfig
 from pipeline.model import apply_lora, load_model
-from pipeline.transports import LoraTransport
+from pipeline.weights import LoraTransport
 from tests.helpers import wait_for_async
 from tests.vllm.conftest import VLLMServer
 from workers.engines import SamplingParams

@@ -30,7 +30,7 @@ from pipeline.bus.keys import Keys
 from pipeline.bus.schema import RolloutGroup
 from pipeline.model import load_model, model_state_for_publish
 from pipeline.ops.embedded import EmbeddedRedis
-from pipeline.transports import FileTransport
+from pipeline.weights import FileTransport
 from tests.helpers import run_header, spawn_role, wait_for, write_config
 from tests.vllm.conftest import VLLMServer
 from workers.engines.vllm import VLLMEngine

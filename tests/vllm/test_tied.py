@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from pipeline.model import init_tiny_model, load_model
-from pipeline.transports import INDEX, FileTransport
+from pipeline.weights import INDEX, FileTransport
 from tests.vllm.conftest import START_TIMEOUT_S, vllm_python_or_skip
 from workers.engines import SamplingParams
 from workers.engines.vllm import VLLMEngine
@@ -106,7 +106,7 @@ def test_published_tied_weights_reload_with_a_fresh_lm_head(tied_server: TiedSer
     groups = _swap_and_sample(tied_server, hf_dir, 1)
     stale = _max_logprob_error(trained, groups)
     assert stale > 1e-2, f"vLLM refreshed a dropped tied lm_head (error {stale:.2e}): " \
-                         "the copy in pipeline.transports.file may no longer be needed"
+                         "the copy in pipeline.weights.file may no longer be needed"
 
     # what the trainer publishes: sharded, lm_head.weight as its own copy
     store = FileTransport(tmp_path / "weights", max_shard_bytes=256 * 1024)

@@ -105,7 +105,7 @@ class Engine(Protocol):
         """Swap in the weights of a verified weight-store directory (``fmt`` is the
         announcement's format: ``safetensors`` full weights, an HF folder of shards behind
         ``model.safetensors.index.json``, or a ``lora`` adapter; see
-        `pipeline.transports`). Reading the files must not block the event loop.
+        `pipeline.weights`). Reading the files must not block the event loop.
 
         Returns False, doing nothing, when ``version`` is not newer than the current (or
         already queued) one, so duplicate or reordered announcements are harmless.

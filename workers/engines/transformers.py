@@ -25,8 +25,8 @@ from safetensors import SafetensorError
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from pipeline.model import adapter_to_model_keys, is_peft
-from pipeline.transports import WeightError, read_adapter, read_full
-from pipeline.transports.file import aliases
+from pipeline.weights import WeightError, read_adapter, read_full
+from pipeline.weights.file import aliases
 from workers.engines.base import Completion, EngineError, SamplingParams
 
 

@@ -27,7 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.ops.embedded import free_port
+from pipeline.ports import free_port
 
 
 @dataclass

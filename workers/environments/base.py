@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from pipeline.imports import load_callable
-from workers.prompts import Messages, check_messages
+from workers.tasks.prompts import Messages, check_messages
 
 Observation = str | Messages | None
 

@@ -37,7 +37,7 @@ from workers.environments.base import (
     step_result,
 )
 from workers.episodes import Episode, RolloutContext
-from workers.prompts import Messages, messages_of, render_prompt
+from workers.tasks.prompts import Messages, messages_of, render_prompt
 
 log = logging.getLogger("sluice.environments")
 

@@ -30,7 +30,7 @@ One episode is one verifiers rollout, driven turn by turn in the same order as
 - When the episode ends: ``env.cleanup(state)`` (renders ``state["completion"]``, runs
   ``@vf.cleanup`` handlers), ``env.rubric.score_rollout(state)``, ``rubric.cleanup``.
   The reward is one part, ``{"reward": state["reward"]}`` — the rubric's weighted total
-  (`workers.rewards:env_reward` gives exactly it); ``state["metrics"]`` (every reward
+  (`workers.tasks.rewards:env_reward` gives exactly it); ``state["metrics"]`` (every reward
   function's and metric's unweighted value, e.g. ``num_turns``) and ``stop_condition``
   go to the step's ``info``. One total rather than the metrics as parts, because a
   ``RubricGroup`` (every ``MultiTurnEnv`` has one) sums rubrics whose weights are their
@@ -67,7 +67,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from workers.environments.base import Action, EpisodeFailure, StepResult
-from workers.prompts import messages_of
+from workers.tasks.prompts import messages_of
 
 _INSTALL = "pip install 'sluice[verifiers]' (verifiers>=0.3.1,<0.4)"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)

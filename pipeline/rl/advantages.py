@@ -153,7 +153,7 @@ def is_zero_variance(rewards: np.ndarray, atol: float = 1e-6) -> bool:
 
 def rloo(*, rewards: list[float], **kwargs: object) -> list[float]:
     """RLOO advantages of one group, usable as ``scoring.advantages =
-    "pipeline.advantages:rloo"``: each sample's reward minus the mean of the *other*
+    "pipeline.rl.advantages:rloo"``: each sample's reward minus the mean of the *other*
     samples' rewards, ``r_i - (sum(r) - r_i) / (n - 1) = n / (n - 1) * (r_i - mean(r))``
     (Ahmadian et al. 2024; no std scaling). Sums to 0; a group of one gets 0."""
     r = _as_rewards(np.asarray(rewards))

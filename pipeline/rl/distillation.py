@@ -9,7 +9,7 @@ Machines' "On-Policy Distillation", 2025)::
     A[i, t] = 0                                                                     mask 0
 
 ``group_adv`` is the GRPO advantage of rollout ``i`` from the reward functions
-(`pipeline.advantages`), 0 when there are none (pure distillation). The teacher term is
+(`pipeline.rl.advantages`), 0 when there are none (pure distillation). The teacher term is
 per token and not centred on the group (no baseline): its expectation under the
 sampler is ``-KL(sampler || teacher)`` at each position, which is what the policy
 gradient minimises. Tokens inserted by an environment (mask 0) were not sampled, so

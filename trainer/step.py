@@ -37,15 +37,15 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.model import is_peft
-from trainer.batch import Batch, completion_logits, split_micro_batches
-from trainer.logprobs import CompletionLogprobs
-from trainer.loss import (
+from pipeline.rl.losses import (
     LossConfig,
     LossNorm,
     candidate_log_softmax,
     grpo_loss,
     selective_log_softmax,
 )
+from trainer.batch import Batch, completion_logits, split_micro_batches
+from trainer.logprobs import CompletionLogprobs
 from trainer.packing import LayoutKind, make_layout, row_shapes, shapes_cost
 
 

@@ -3,7 +3,7 @@
 A *prompt* is a plain dict that travels on the wire (msgpack) and reaches the reward
 functions as keyword columns: ``{"text": str | messages, "answer": str, ...}``.
 ``text`` is what the model sees (a string, or a TRL-style conversation rendered with the
-chat template: ``workers.prompts``); ``answer`` is the reference sluice's built-in
+chat template: ``workers.tasks.prompts``); ``answer`` is the reference sluice's built-in
 rewards compare to; other keys are dataset columns under their own names.
 
 Built-in procedural tasks (no download, rewards are verifiable):
@@ -19,7 +19,7 @@ Invariants of every task:
   ``n <= m``, its prompts are distinct, and no held-out ``text`` is a training ``text``.
   It returns fewer than ``n`` prompts only when no more exist.
 
-User data (``jsonl``, ``hf``: ``workers.data``) maps columns like TRL; it is split into
+User data (``jsonl``, ``hf``: ``workers.tasks.data``) maps columns like TRL; it is split into
 train/held-out by a hash of the prompt (stable when rows are appended or reordered; a
 prompt that occurs twice never lands on both sides) or by ``task.eval_split``.
 ``task_from_config`` builds the configured task; given the tokenizer, it also drops
@@ -40,8 +40,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from workers.data import JsonlTask, Prompt, RecordsTask, load_hf_task
-from workers.prompts import render_prompt
+from workers.tasks.data import JsonlTask, Prompt, RecordsTask, load_hf_task
+from workers.tasks.prompts import render_prompt
 
 log = logging.getLogger("sluice.tasks")
 __all__ = ["JsonlTask", "Prompt", "RecordsTask", "Task", "load_hf_task", "make_task",
@@ -60,7 +60,7 @@ class Task(Protocol):
     """What generators, scorers and the evaluator need from a source of prompts."""
 
     name: str
-    default_rewards: list[str]  # import paths, e.g. "workers.rewards:copy_reward"
+    default_rewards: list[str]  # import paths, e.g. "workers.tasks.rewards:copy_reward"
 
     def __len__(self) -> int:
         """Number of training prompts (the epoch length)."""
@@ -91,7 +91,7 @@ class _ProceduralTask:
     """
 
     name = ""
-    _DEFAULT_REWARDS: tuple[str, ...] = ("workers.rewards:match_reward",)
+    _DEFAULT_REWARDS: tuple[str, ...] = ("workers.tasks.rewards:match_reward",)
 
     def __init__(self, num_prompts: int, seed: int) -> None:
         self.num_prompts = _check_int("num_prompts", num_prompts, 1)
@@ -220,7 +220,7 @@ class GuessTask:
     def __init__(self, num_prompts: int = 20000, seed: int = 0) -> None:
         self.num_prompts = _check_int("num_prompts", num_prompts, 1)
         self.seed = _check_int("seed", seed, 0)
-        self.default_rewards = ["workers.rewards:env_reward"]
+        self.default_rewards = ["workers.tasks.rewards:env_reward"]
         rng = np.random.default_rng([self.seed, _TRAIN_STREAM])
         games = rng.integers(0, 8000, size=self.num_prompts)
         games = games + games // 4 + 1  # skips every multiple of 5: 1-4, 6-9, ...
@@ -274,7 +274,7 @@ def make_task(
     conversational: bool = False,
 ) -> Task:
     """Build a task by name. ``num_prompts``/``seed`` shape procedural tasks only; data
-    tasks (``jsonl``: a JSONL file; ``hf``: anything ``workers.data.load_split`` loads)
+    tasks (``jsonl``: a JSONL file; ``hf``: anything ``workers.tasks.data.load_split`` loads)
     need ``path`` and use every row of it."""
     key = name.strip().lower()
     if key in _PROCEDURAL:
@@ -291,7 +291,7 @@ def make_task(
                             dataset_args=dataset_args, rename_columns=rename_columns,
                             conversational=conversational)
     if key == "reasoning_gym":
-        from workers.rgym import ReasoningGymTask
+        from workers.tasks.rgym import ReasoningGymTask
 
         if not path:
             raise ValueError("task.dataset: the reasoning_gym task needs a dataset name")
@@ -330,7 +330,7 @@ def task_from_config(cfg: Any, tokenizer: Any = None) -> Task:
 def load_hf_dataset(name_or_path: str | os.PathLike[str], split: str = "train", *,
                     text_field: str = "prompt", answer_field: str = "",
                     heldout_fraction: float = 0.05) -> RecordsTask:
-    """Deprecated name of `workers.data.load_hf_task` (kept for scripts)."""
+    """Deprecated name of `workers.tasks.data.load_hf_task` (kept for scripts)."""
     return load_hf_task(os.fspath(name_or_path), split, prompt_column=text_field,
                         answer_column=answer_field, heldout_fraction=heldout_fraction)
 

@@ -15,7 +15,7 @@ Per step (rank 0):
    lock keep running): refuse to step if any trained token is older than
    ``max_staleness`` versions (checked twice: on read against the group, here against
    the per-token versions of the tensors about to be trained), micro-batches, GRPO loss,
-   backward, clip, AdamW, ``num_iterations`` times (`trainer.policy`), LR schedule;
+   backward, clip, AdamW, ``num_iterations`` times (`trainer.step`), LR schedule;
 3. every ``weight_sync_steps`` gather the full weights and publish them through the
    run's weight transport, announce — BEFORE retiring, so the gate reopens only once the
    new version is visible to generators;
@@ -58,15 +58,15 @@ from pipeline.config import Config
 from pipeline.metrics import start as start_metrics
 from pipeline.runtime import Heartbeat, connect, limits, set_threads
 from pipeline.tracking import Tracker, open_tracker, trainer_metrics
-from pipeline.transports import make_transport
+from pipeline.weights import make_transport
 from trainer import setup
 from trainer.batch import Batch, build_batch
 from trainer.checkpoint import Checkpointer, TrainerState
 from trainer.distributed import IDLE, STEP, STOP, full_state
 from trainer.lock import TrainerLock
-from trainer.policy import compute_loss, optimize
 from trainer.reader import Reader
 from trainer.stats import rollout_stats, step_tokens
+from trainer.step import compute_loss, optimize
 
 log = logging.getLogger("sluice.trainer")
 
@@ -202,7 +202,7 @@ class Trainer:
         return metrics, source
 
     async def publish(self, bus: Bus, source: Any = None) -> None:
-        """Publish the version through the run's weight transport (`pipeline.transports`:
+        """Publish the version through the run's weight transport (`pipeline.weights`:
         sharded safetensors, the LoRA adapter, or an NCCL push to the vLLM servers and
         then the files; the disk work in a worker thread) and announce it."""
         t0 = time.perf_counter()
@@ -244,7 +244,7 @@ class Trainer:
 
     async def start_nccl(self) -> None:
         """GPU runs with ``generation.vllm.weight_transfer = "nccl"``: join the servers'
-        weight-transfer group as rank 0 (`pipeline.transports.nccl`; untested on CPU)."""
+        weight-transfer group as rank 0 (`pipeline.weights.nccl`; untested on CPU)."""
         if self.nccl is not None:
             await self.nccl.start()
 

@@ -1,10 +1,10 @@
 """User data as tasks: JSONL files and Hugging Face datasets, mapped like TRL's.
 
-A row becomes a prompt dict (see ``workers.tasks``):
+A row becomes a prompt dict (see ``workers.tasks.catalog``):
 
 - the prompt column (``task.prompt_column``, default ``prompt``) moves to ``text``: a
   string, or a conversation ``[{"role": ..., "content": ...}]`` (TRL's conversational
-  format; rendered with the tokenizer's chat template, ``workers.prompts``);
+  format; rendered with the tokenizer's chat template, ``workers.tasks.prompts``);
 - every other column travels under its own name, so a reward function gets it as a
   keyword argument exactly as in TRL (``solution=[...]``);
 - the answer column (``task.answer_column``; empty = the column named ``answer`` if
@@ -17,7 +17,7 @@ lists the available ones), a prompt of the wrong type, a column whose name a rew
 reserves, an unknown or empty split, or a hub id that cannot be loaded (offline) fails
 when the task is built, naming the config key: at start, not in a running role.
 
-Held-out prompts (the evaluator's), with the invariants of ``workers.tasks``:
+Held-out prompts (the evaluator's), with the invariants of ``workers.tasks.catalog``:
 
 - without ``task.eval_split``: rows split by a hash of the prompt (its canonical JSON for
   a conversation), so the split is stable when rows are appended or reordered and a
@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pipeline.bus.codec import check_prompt_value
-from workers.prompts import check_prompt
+from workers.tasks.prompts import check_prompt
 
 log = logging.getLogger("sluice.data")
 
@@ -118,7 +118,7 @@ class RecordsTask:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
         self.name = name
         self.source = source
-        self.default_rewards = list(default_rewards or ["workers.rewards:exact_match"])
+        self.default_rewards = list(default_rewards or ["workers.tasks.rewards:exact_match"])
         self.dropped: dict[str, int] = {}
         self._train: list[Prompt] = []
         held: list[Prompt] = []

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.transports.base import WeightError, WeightSource, WeightTransport
-from pipeline.transports.file import FileTransport, read_full
-from pipeline.transports.lora import LoraTransport, read_adapter
-from pipeline.transports.store import (
+from pipeline.weights.base import WeightError, WeightSource, WeightTransport
+from pipeline.weights.file import FileTransport, read_full
+from pipeline.weights.lora import LoraTransport, read_adapter
+from pipeline.weights.store import (
     ADAPTER_CONFIG,
     ADAPTER_FILE,
     INDEX,
@@ -38,7 +38,7 @@ def make_transport(cfg: Config, *, keep: int = 4) -> WeightTransport:
         return LoraTransport(root, keep=keep, base_model=cfg.model.path)
     v = cfg.generation.vllm
     if cfg.generation.engine == "vllm" and v.weight_transfer == "nccl":
-        from pipeline.transports.nccl import NCCLTransport, NCCLWeightSync
+        from pipeline.weights.nccl import NCCLTransport, NCCLWeightSync
 
         sync = NCCLWeightSync(v.urls, v.nccl_master_address, v.nccl_master_port)
         return NCCLTransport(sync, FileTransport(root, keep=keep))

@@ -32,7 +32,7 @@ Where it differs from TRL:
 * ``is_clip_min`` defaults to 0 (TRL: None); both mean "no lower bound" because ratios
   are positive. Importance weights are 0 where ``mask`` is 0; a NaN behaviour logprob
   (an engine that could not report one) gives weight 1, as in TRL.
-* Off-policy options (``trainer/offpolicy.py``, each named after its source there):
+* Off-policy options (``pipeline/rl/offpolicy.py``, each named after its source there):
   ``decoupled_ppo`` = False takes the ratio against the behaviour policy (then no separate
   importance weight); ``importance_sampling_level = "sequence"`` is GSPO (TRL's name);
   ``loss_type = "cispo"`` is CISPO with ``epsilon_high`` as the absolute ratio cap ε_max
@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer.offpolicy import (
+from pipeline.rl.offpolicy import (
     cispo_per_token,
     geometric_mean_mask,
     reference_logps,

@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from pipeline.bus.schema import WeightsPublished
-from pipeline.transports.base import WeightError
+from pipeline.weights.base import WeightError
 
 MANIFEST = "manifest.json"
 INDEX = "model.safetensors.index.json"  # HF's name; vLLM and transformers read it

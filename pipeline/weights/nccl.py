@@ -5,7 +5,7 @@ weight-transfer backend), with the `file` transport as the store engines fall ba
 logged, and the sync stays broken), then writes it to the store and returns that
 announcement: a generator finds its servers already labelled with the version and
 reloads from disk only a server that missed the push (`workers.engines.vllm_weights`).
-The push sends what the store writes (`pipeline.transports.file.publishable`: with tied
+The push sends what the store writes (`pipeline.weights.file.publishable`: with tied
 embeddings, ``lm_head.weight`` as its own tensor).
 
 NEEDS CUDA GPUs AND NCCL. Untested end to end: it cannot run on CPU machines (vLLM CPU's
@@ -58,8 +58,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 
 from pipeline.bus.schema import WeightsPublished
-from pipeline.transports.base import WeightSource, WeightTransport
-from pipeline.transports.file import FileTransport, publishable
+from pipeline.weights.base import WeightSource, WeightTransport
+from pipeline.weights.file import FileTransport, publishable
 
 if TYPE_CHECKING:
     import torch

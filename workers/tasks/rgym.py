@@ -14,7 +14,7 @@ skip every question text that is also a training question, so the held-out set n
 overlaps training; ``heldout(n)`` is a prefix of ``heldout(m)`` for ``n <= m``.
 
 Each prompt carries the entry as JSON in the ``rg_entry`` column (the question, answer and
-metadata the verifier needs); the reward ``workers.rgym:reasoning_gym_score`` calls the
+metadata the verifier needs); the reward ``workers.tasks.rgym:reasoning_gym_score`` calls the
 dataset's own verifier on each completion. ``reasoning-gym`` is imported lazily (the
 ``reasoning`` extra): a run that does not use it never needs it.
 """
@@ -59,7 +59,7 @@ class ReasoningGymTask:
             raise ValueError(f"task.dataset_args for {dataset!r}: {e}") from e
         self.dataset = dataset
         self.num_prompts = num_prompts
-        self.default_rewards = ["workers.rgym:reasoning_gym_score"]
+        self.default_rewards = ["workers.tasks.rgym:reasoning_gym_score"]
         self._train_texts: set[str] | None = None
 
     def __len__(self) -> int:

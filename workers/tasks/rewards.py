@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.imports import load_callable
-from workers.prompts import completion_for, completion_text, is_conversational
+from workers.tasks.prompts import completion_for, completion_text, is_conversational
 
 _EOS = None  # end-of-sequence marker in character lists; never equal to a character
 

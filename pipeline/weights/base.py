@@ -19,7 +19,7 @@ Invariants every implementation keeps (``tests/unit/test_transports.py`` checks 
    names a half-written version. Republishing a version replaces it.
 2. Verified before use: `receive` returns only a directory inside the store whose every
    file hashes (streamed) to its manifest entry, whose manifest hashes to the announced
-   sha256 (`pipeline.transports.store.table_sha256`) and which holds no unlisted file;
+   sha256 (`pipeline.weights.store.table_sha256`) and which holds no unlisted file;
    anything else raises `WeightError` and changes nothing.
 3. Off the event loop: both halves do their disk and hashing work in a worker thread, so
    heartbeats, lease renewals and in-flight decoding keep running during a big write
@@ -39,7 +39,7 @@ import torch
 from pipeline.bus.schema import WeightsPublished
 
 if TYPE_CHECKING:
-    from pipeline.transports.store import WeightStore
+    from pipeline.weights.store import WeightStore
 
 WeightSource = Mapping[str, torch.Tensor] | torch.nn.Module
 """What the trainer publishes: a full state dict (keys as ``model.state_dict()``) or the
