@@ -42,7 +42,6 @@ import asyncio
 import json
 import logging
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -64,13 +63,12 @@ from trainer.batch import Batch, build_batch
 from trainer.checkpoint import Checkpointer, TrainerState
 from trainer.distributed import IDLE, STEP, STOP, full_state
 from trainer.lock import TrainerLock
-from trainer.reader import Reader
+from trainer.reader import Reader, is_stale
 from trainer.stats import rollout_stats, step_tokens
 from trainer.step import compute_loss, optimize
 
 log = logging.getLogger("sluice.trainer")
 
-TRAINED_IDS_KEPT = 100_000
 IDLE_EVERY_S = 30.0  # rank 0 tells waiting ranks it is alive at least this often
 
 
@@ -101,16 +99,12 @@ class Trainer:
         self.metrics_path = out / "metrics.jsonl"
         self.limits = limits(cfg)
         self.state = TrainerState()
-        self.trained: OrderedDict[str, None] = OrderedDict()
-        self.counts = {"stale": 0, "duplicates": 0, "dead": 0, "trained_groups": 0,
-                       "skipped_steps": 0, "failed_steps": 0}
         self.last: dict[str, Any] = {}
         self.t_start = time.time()
         self.ledger = Ledger.for_role(out, "trainer", self.consumer,
                                       cfg.run.ledger and self.ranks.is_main)
         self.nccl: Any = self.store if self.store.name == "nccl" else None  # start_nccl
-        self.reader = Reader(self)
-        self.trained_ids_kept = TRAINED_IDS_KEPT
+        self.reader = Reader(cfg, self.consumer, self.wid, self.limits, self.ledger)
         self.tracker = Tracker()  # run.report_to, opened by rank 0 once it has resumed
 
     @property
@@ -123,13 +117,19 @@ class Trainer:
                 "max_steps": self.tc.max_steps, "ranks": self.ranks.world, **self.counts,
                 "last": self.last}
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """How the entries read were settled (`trainer.reader.Reader` counts them)."""
+        return self.reader.counts
+
     def is_stale(self, sg: ScoredGroup) -> bool:
-        return self.state.version - sg.group.min_version > self.tc.max_staleness
+        return is_stale(self.state.version, sg.group.min_version, self.tc.max_staleness)
 
     async def collect(self, bus: Bus, stop: asyncio.Event) -> list[tuple[str, ScoredGroup]]:
         """``groups_per_step`` fresh, new groups as (entry id, group); fewer only when
         stopping (`trainer.reader.Reader.collect`, without the idle deadline)."""
-        buf = await self.reader.collect(bus, stop, [], wait_s=float("inf"))
+        buf = await self.reader.collect(bus, stop, [], wait_s=float("inf"),
+                                        version=self.state.version)
         return [(e.id, sg) for e, sg in buf]
 
     # ------------------------------------------------------------------ training
@@ -225,7 +225,7 @@ class Trainer:
         redis_version = (await bus.state()).get("version", -1)
         if st is not None:
             self.state = st
-            self.trained = OrderedDict.fromkeys(st.trained_ids)
+            self.reader.restore(st.trained_ids)
             log.info("resumed from step %d (version %d)", st.step, st.version)
         if redis_version >= self.state.version and (st is not None or redis_version > 0):
             # the bus has seen this version (or newer): announce ours as the next one
@@ -239,7 +239,7 @@ class Trainer:
 
     def checkpoint(self) -> None:
         """Every rank (they gather); rank 0 writes."""
-        self.state.trained_ids = list(self.trained)[-TRAINED_IDS_KEPT:]
+        self.state.trained_ids = self.reader.trained_ids()
         self.ckpt.save(self.model, self.optimizer, self.state, self.s.scheduler, self.ranks)
 
     async def start_nccl(self) -> None:
@@ -296,7 +296,8 @@ class Trainer:
         buf: list[tuple[Any, ScoredGroup]] = []
         while self.state.step < self.tc.max_steps and not stop.is_set() and not lock.lost:
             t0 = time.time()
-            buf = await self.reader.collect(bus, stop, buf, wait_s=IDLE_EVERY_S)
+            buf = await self.reader.collect(bus, stop, buf, wait_s=IDLE_EVERY_S,
+                                            version=self.state.version)
             if len(buf) < self.tc.groups_per_step:
                 if not stop.is_set():
                     await asyncio.to_thread(self.ranks.exchange, [IDLE, 0, 0, 0])
@@ -314,17 +315,17 @@ class Trainer:
                 if self.ranks.distributed:
                     raise  # the job goes down; the restart re-reads (torchrun semantics)
                 buf = await self.reader.step_failed(
-                    bus, buf, e, await asyncio.to_thread(self.culprits, groups))
+                    bus, buf, e, await asyncio.to_thread(self.culprits, groups), step)
                 continue
             if metrics["skipped"]:
-                await self.reader.skip_step(bus, buf, metrics)
+                await self.reader.skip_step(bus, buf, metrics, step)
                 buf = []
                 continue
             self.state.step = step
             if source is not None:
                 self.state.version += 1
                 await self.publish(bus, source)
-            await self.reader.retire_trained(bus, buf, header[1])
+            await self.reader.retire_trained(bus, buf, step, header[1])
             buf = []
             run_state = await bus.retrying(bus.state, "state")
             metrics["filtered"] = run_state.get("retired:filtered", 0)

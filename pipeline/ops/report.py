@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline.config import Config
 from pipeline.evaluation import first_reaching, parse_target
-
-if TYPE_CHECKING:
-    from pipeline.ops.up import Supervisor
+from pipeline.ops.samples import ScorerSamples
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -37,15 +35,16 @@ def _metrics_of(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k not in ("version", "step", "t", "ts", "n")}
 
 
-def summary_dict(cfg: Config, sup: Supervisor, snap: dict[str, Any],
+def summary_dict(cfg: Config, samples: ScorerSamples, snap: dict[str, Any],
                  reason: str) -> dict[str, Any]:
     out = cfg.output_path
     metrics = read_jsonl(out / "metrics.jsonl")
     evals = read_jsonl(out / "eval.jsonl")
-    wall = sup.samples[-1].t if sup.samples else 0.0
-    completions = sup.samples[-1].n if sup.samples else 0
-    first_reward = next((s.reward / s.n for s in sup.samples if s.n >= 64), None)
-    reward_after, exact_after = sup.recent(256)
+    last = samples.last
+    wall = last.t if last else 0.0
+    completions = last.n if last else 0
+    first_reward = samples.first_reward(64)
+    reward_after, exact_after = samples.recent(256)
     target = parse_target(cfg.up.stop_at)
     hit = first_reaching(evals, target)
     stal = [m["staleness_mean"] for m in metrics]
@@ -65,7 +64,7 @@ def summary_dict(cfg: Config, sup: Supervisor, snap: dict[str, Any],
         "eval_reward_before": evals[0]["reward"] if evals else None,
         "eval_reward_after": evals[-1]["reward"] if len(evals) > 1 else None,
         "target": str(target) if target else None,
-        "time_to_target_s": round(hit["ts"] - sup.t0, 1) if hit else None,
+        "time_to_target_s": round(hit["ts"] - samples.t0, 1) if hit else None,
         "step_at_target": hit["step"] if hit else None,
         "staleness_mean": sum(stal) / len(stal) if stal else None,
         "staleness_max": max((m["staleness_max"] for m in metrics), default=None),
@@ -76,7 +75,7 @@ def summary_dict(cfg: Config, sup: Supervisor, snap: dict[str, Any],
     }
 
 
-def plot(cfg: Config, sup: Supervisor, path: Path) -> None:
+def plot(cfg: Config, samples: ScorerSamples, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,19 +84,12 @@ def plot(cfg: Config, sup: Supervisor, path: Path) -> None:
     out = cfg.output_path
     evals = read_jsonl(out / "eval.jsonl")
     fig, ax = plt.subplots(figsize=(7, 4))
-    pts = []
-    for i in range(1, len(sup.samples)):
-        a = next((s for s in reversed(sup.samples[:i]) if sup.samples[i].n - s.n >= 128),
-                 sup.samples[0])
-        b = sup.samples[i]
-        dn = b.n - a.n
-        if dn > 0:
-            pts.append((b.t, (b.reward - a.reward) / dn, (b.exact - a.exact) / dn))
+    pts = samples.curve(128)
     if pts:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label="sampled reward (scorers)")
         ax.plot([p[0] for p in pts], [p[2] for p in pts], label="sampled exact match", alpha=0.7)
     if evals:
-        ax.plot([e["ts"] - sup.t0 for e in evals], [e.get("pass@1") for e in evals], "o-",
+        ax.plot([e["ts"] - samples.t0 for e in evals], [e.get("pass@1") for e in evals], "o-",
                 label="held-out greedy pass@1")
     ax.set_xlabel("wall time (s)")
     ax.set_ylim(-0.02, 1.02)
@@ -109,14 +101,15 @@ def plot(cfg: Config, sup: Supervisor, path: Path) -> None:
     plt.close(fig)
 
 
-def summarize(cfg: Config, sup: Supervisor, snap: dict[str, Any], reason: str) -> bool:
+def summarize(cfg: Config, samples: ScorerSamples, snap: dict[str, Any], reason: str
+              ) -> bool:
     """Print the summary, write summary.json and the plot; True if the books balance."""
-    s = summary_dict(cfg, sup, snap, reason)
+    s = summary_dict(cfg, samples, snap, reason)
     out = cfg.output_path
     (out / "summary.json").write_text(json.dumps(s, indent=2))
-    if cfg.up.plot and sup.samples:
+    if cfg.up.plot and samples:
         try:
-            plot(cfg, sup, out / "reward_curve.png")
+            plot(cfg, samples, out / "reward_curve.png")
         except Exception as e:
             print(f"plot failed: {e}", file=sys.stderr)
 

@@ -41,6 +41,7 @@ from pipeline.evaluation import parse_target
 from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.ops.monitor import snapshot
 from pipeline.ops.restarts import RestartPolicy
+from pipeline.ops.samples import ScorerSamples
 from pipeline.ops.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
 from pipeline.ports import free_port
 from pipeline.runtime import connect, redis_options
@@ -66,24 +67,17 @@ class Child:
 
 
 @dataclass
-class Sample:
-    """Scorer counters summed over scorers at one instant (cumulative)."""
-
-    t: float
-    n: int
-    reward: float
-    exact: float
-
-
-@dataclass
 class Supervisor:
     cfg: Config
     config_path: str
     overrides: list[str]
     eval_every_s: float | None = None  # None: eval.every_s
     children: list[Child] = field(default_factory=list)
-    samples: list[Sample] = field(default_factory=list)
     t0: float = field(default_factory=time.time)
+    samples: ScorerSamples = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = ScorerSamples(self.t0)
 
     def spawn(self, role: str, name: str, threads: int, extra: list[str] | None = None
               ) -> Child:
@@ -203,30 +197,6 @@ class Supervisor:
                 ch.proc.kill()
                 ch.proc.wait()
 
-    def record(self, snap: dict[str, Any]) -> None:
-        n = reward = exact = 0.0
-        for wid, w in snap["workers"].items():
-            if wid.startswith("scorer/"):
-                n += w.get("reward_n", 0)
-                reward += w.get("reward_sum", 0.0)
-                exact += w.get("part_sums", {}).get("exact_match", 0.0)
-        if self.samples and n < self.samples[-1].n:
-            return  # a scorer left (its heartbeat is gone): its counts are not lost work
-        self.samples.append(Sample(time.time() - self.t0, int(n), reward, exact))
-
-    def recent(self, window_n: int = 256) -> tuple[float | None, float | None]:
-        """Mean sampled reward and exact match over roughly the last ``window_n``
-        completions (from cumulative scorer counters; includes filtered groups)."""
-        if len(self.samples) < 2:
-            return None, None
-        last = self.samples[-1]
-        ref = next((s for s in reversed(self.samples) if last.n - s.n >= window_n),
-                   self.samples[0])
-        dn = last.n - ref.n
-        if dn <= 0:
-            return None, None
-        return (last.reward - ref.reward) / dn, (last.exact - ref.exact) / dn
-
 
 def child_pids(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux ``/proc``; empty elsewhere)."""
@@ -257,7 +227,7 @@ def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
     tr = next((w for wid, w in snap["workers"].items() if wid.startswith("trainer/")), {})
     ev = next((w for wid, w in snap["workers"].items() if wid.startswith("evaluator/")), {})
     last = tr.get("last", {})
-    reward, exact = sup.recent()
+    reward, exact = sup.samples.recent()
     c = snap["conservation"]
     window = sup.cfg.trainer.window
     elapsed = max(time.time() - sup.t0, 1e-9)
@@ -320,7 +290,7 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
             except Exception:
                 await asyncio.sleep(0.5)
                 continue
-            sup.record(snap)
+            sup.samples.record(snap)
             s = status_line(sup, snap)
             if target is not None and target.met(s["eval"]):
                 reason = f"stop_at {target} reached"
@@ -416,7 +386,7 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
         snap = loop.run_until_complete(_final_snapshot(cfg))
         from pipeline.ops.report import summarize
 
-        ok = summarize(cfg, sup, snap, reason)
+        ok = summarize(cfg, sup.samples, snap, reason)
         ok = loop.run_until_complete(audit_run(cfg)) and ok
         # a crash already reported and awaiting its restart when the run ended is not
         # a failure of the run (it survived it)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.weights.base import WeightError, WeightSource, WeightTransport
+from pipeline.weights.base import WeightSource, WeightTransport
 from pipeline.weights.file import FileTransport, read_full
 from pipeline.weights.lora import LoraTransport, read_adapter
 from pipeline.weights.store import (
@@ -16,6 +16,7 @@ from pipeline.weights.store import (
     ADAPTER_FILE,
     INDEX,
     MANIFEST,
+    WeightError,
     WeightStore,
     sha256_file,
     table_sha256,

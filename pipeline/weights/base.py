@@ -1,6 +1,6 @@
 """The weight-transport contract: how version N gets from the trainer to the engines.
 
-Two halves, so that neither role imports the other (DESIGN.md §6):
+Two halves, so that neither role imports the other (docs/design.md, "Weights"):
 
 - trainer side, `WeightTransport.publish`: make ``version`` loadable by every engine and
   return its announcement (`WeightsPublished`), which the trainer then puts on
@@ -32,22 +32,16 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from pipeline.bus.schema import WeightsPublished
-
-if TYPE_CHECKING:
-    from pipeline.weights.store import WeightStore
+from pipeline.weights.store import WeightStore
 
 WeightSource = Mapping[str, torch.Tensor] | torch.nn.Module
 """What the trainer publishes: a full state dict (keys as ``model.state_dict()``) or the
 model itself (the `lora` transport needs the peft model)."""
-
-
-class WeightError(ValueError):
-    """Announced weights cannot be used (bad URI, missing or unlisted file, hash mismatch)."""
 
 
 class WeightTransport(ABC):

@@ -32,8 +32,8 @@ import torch
 from safetensors.torch import load_file, save
 
 from pipeline.bus.schema import WeightsPublished
-from pipeline.weights.base import WeightError, WeightSource, WeightTransport
-from pipeline.weights.store import INDEX, WeightStore
+from pipeline.weights.base import WeightSource, WeightTransport
+from pipeline.weights.store import INDEX, WeightError, WeightStore
 
 SINGLE_FILE = "model.safetensors"  # an unsharded HF folder (a model directory itself)
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30

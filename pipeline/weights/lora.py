@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save
 
 from pipeline.bus.schema import WeightsPublished
-from pipeline.weights.base import WeightError, WeightSource, WeightTransport
-from pipeline.weights.store import ADAPTER_CONFIG, ADAPTER_FILE, WeightStore
+from pipeline.weights.base import WeightSource, WeightTransport
+from pipeline.weights.store import ADAPTER_CONFIG, ADAPTER_FILE, WeightError, WeightStore
 
 if TYPE_CHECKING:
     from peft import PeftModel

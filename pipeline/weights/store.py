@@ -29,7 +29,6 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from pipeline.bus.schema import WeightsPublished
-from pipeline.weights.base import WeightError
 
 MANIFEST = "manifest.json"
 INDEX = "model.safetensors.index.json"  # HF's name; vLLM and transformers read it
@@ -37,6 +36,10 @@ ADAPTER_FILE = "adapter_model.safetensors"  # peft's names; vLLM's load_lora_ada
 ADAPTER_CONFIG = "adapter_config.json"
 MAX_MANIFEST_BYTES = 16 * 2**20
 MAX_INDEX_BYTES = 256 * 2**20
+
+
+class WeightError(ValueError):
+    """Announced weights cannot be used (bad URI, missing or unlisted file, hash mismatch)."""
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:

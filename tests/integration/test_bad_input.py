@@ -385,8 +385,8 @@ def trainer(redis_server: EmbeddedRedis, tiny_model_dir: Path,
 
 
 def _reset(tr: Trainer) -> Trainer:
-    tr.counts = dict.fromkeys(tr.counts, 0)
-    tr.trained.clear()
+    tr.reader.counts = dict.fromkeys(tr.reader.counts, 0)
+    tr.reader.trained.clear()
     tr.state.version = 0
     return tr
 

@@ -376,7 +376,7 @@ def test_trainer_accounts_for_every_fuzzed_scored_entry(
         # few group ids: duplicates within a step and of groups trained steps before
         entries = make_batch(seed, BATCH, _scored, gids=300)
         tr.counts = dict.fromkeys(tr.counts, 0)
-        tr.trained.clear()
+        tr.reader.trained.clear()
         tr.state.version = 5  # max_staleness 1: tokens of versions < 4 are stale
 
         async def go() -> None:
@@ -410,7 +410,7 @@ def test_trainer_accounts_for_every_fuzzed_scored_entry(
                                             "trained", op=f"fz:{run}:{buf[0][0]}")
                     assert len(done) == len(buf)
                     trained += len(buf)
-                    tr.trained.update(dict.fromkeys(g.group.group_id for g in groups))
+                    tr.reader.trained.update(dict.fromkeys(g.group.group_id for g in groups))
                 await watcher
                 dlq, state = await _settled(bus, k.scored, TRAINERS_GROUP, sent)
                 c = tr.counts

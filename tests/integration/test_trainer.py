@@ -94,7 +94,7 @@ def test_trainer_drops_stale_dedups_trains_acks_publishes_and_resumes(
         st = await bus.state()
         await bus.close()
         return {"step": tr.state.step, "version": tr.state.version, "bus": st["version"],
-                "trained": list(tr.trained)}
+                "trained": list(tr.reader.trained)}
 
     res = arun(again())
     assert res["step"] == 1 and res["version"] == 6 and res["bus"] == 6
