@@ -20,7 +20,7 @@ import string
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -326,3 +326,15 @@ def _require_peft(model: torch.nn.Module) -> PeftModel:
         raise ValueError(f"expected a peft (LoRA) model, got {type(model).__name__}: "
                          "is [model.lora] set for this role?")
     return model  # type: ignore[return-value]
+
+
+def tokenizer_if_present(cfg: Config) -> Any:
+    """The policy's tokenizer when the model exists (a folder with config.json, or a hub
+    id: resolved through the cache, an offline miss fails naming ``model.path``); None
+    when `sluice up` is about to build the tiny model there."""
+    from pipeline.hub import is_hub_id
+
+    path = cfg.model.path
+    if is_hub_id(path) or (Path(path) / "config.json").is_file():
+        return load_tokenizer(path, cfg.model.revision)
+    return None

@@ -53,10 +53,11 @@ from pipeline.bus.client import Bus, worker_id
 from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import ScoredGroup
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
+from pipeline.devices import resolve_device
 from pipeline.metrics import start as start_metrics
 from pipeline.runtime import Heartbeat, connect, limits, set_threads
-from pipeline.tracking import Tracker, open_tracker, trainer_metrics
+from pipeline.tracking import Tracker, check_report_to, open_tracker, trainer_metrics
 from pipeline.weights import make_transport
 from trainer import setup
 from trainer.batch import Batch, build_batch
@@ -384,6 +385,25 @@ class Trainer:
         self.metrics.step(row, [trained_at - g.group.min_version for g in groups])
 
 
-async def main(cfg: Config, stop: asyncio.Event, rank: int = 0) -> None:
+def preflight(cfg: Config) -> None:
+    """What the trainer loads first, checked before any role starts (`sluice train`,
+    `sluice up`): ``trainer.device`` exists, float16 has float32 master weights, and the
+    tracker of ``run.report_to`` is installed. Each failure is a ``ConfigError`` naming
+    the key."""
+    resolve_device(cfg.trainer.device, "trainer.device")
+    if cfg.model.dtype == "float16" and not cfg.trainer.fp32_master:
+        raise ConfigError("trainer.fp32_master: model.dtype float16 needs float32 master "
+                          "weights (loss scaling); set it true or use bfloat16")
+    check_report_to(cfg)
+
+
+def rank_of(name: str | None) -> int:
+    """The rank a trainer process named ``trainer-<rank>`` is (0 without a name)."""
+    if name and name.rsplit("-", 1)[-1].isdigit():
+        return int(name.rsplit("-", 1)[-1])
+    return 0
+
+
+async def main(cfg: Config, stop: asyncio.Event, name: str | None = None) -> None:
     set_threads(cfg.trainer.threads)
-    await Trainer(cfg, rank).run(stop)
+    await Trainer(cfg, rank_of(name)).run(stop)

@@ -30,22 +30,27 @@ from typing import Any
 from pipeline.bus import control
 from pipeline.bus.client import worker_id
 from pipeline.bus.schema import RunFinished, WeightsPublished
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.devices import resolve_device
 from pipeline.evaluation import summarize_scores
 from pipeline.metrics import start as start_metrics
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, set_threads
-from pipeline.tracking import Tracker, eval_metrics, open_tracker
+from pipeline.tracking import Tracker, check_report_to, eval_metrics, open_tracker
 from pipeline.weights import WeightError, make_transport
 from workers.engines.base import Engine, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
-from workers.hooks import RolloutFn, load_rollout, render_group_prompt
-from workers.scorer import load_rewards
-from workers.tasks.catalog import task_from_config
+from workers.hooks import RolloutFn, load_filter, load_rollout, render_group_prompt
+from workers.tasks.catalog import Task, task_from_config
 from workers.tasks.prompts import Messages, render_prompt
-from workers.tasks.rewards import RewardFn, episode_inputs, reward_matrix
+from workers.tasks.rewards import (
+    RewardFn,
+    check_rewards,
+    episode_inputs,
+    load_rewards,
+    reward_matrix,
+)
 
 log = logging.getLogger("sluice.evaluator")
 
@@ -241,6 +246,32 @@ class Evaluator:
             await asyncio.to_thread(self.tracker.finish)
 
 
-async def main(cfg: Config, stop: asyncio.Event, every_s: float | None = None) -> None:
+def preflight(cfg: Config, task: Task | None, policy_tokenizer: Callable[[], Any], *,
+              alone: bool) -> None:
+    """What the evaluator loads first, checked before any role starts: its tracker
+    (``run.report_to``) and ``eval.rewards`` when set (each called once, as the scorer's
+    are). ``alone`` (`sluice eval`, not under `sluice up`, whose generator checks cover
+    the rest): also ``generation.device``, ``eval.vllm_urls`` on the vLLM engine (the
+    generators' servers would be swapped to the evaluated version), the task and the
+    rollout hooks. Each failure is a ``ConfigError`` / ``ValueError`` naming the key."""
+    if alone:
+        resolve_device(cfg.generation.device, "generation.device")
+    check_report_to(cfg)
+    if alone:
+        if cfg.eval_engine == "vllm" and not cfg.eval.vllm_urls:
+            raise ConfigError("eval.vllm_urls: `sluice eval` on vLLM needs servers of its "
+                              "own (the generators' would be swapped to the evaluated "
+                              "version)")
+        task = task_from_config(cfg, policy_tokenizer())
+        load_rollout(cfg)
+        load_filter(cfg)
+    if cfg.eval.rewards is not None:
+        check_rewards(cfg, task, "eval.rewards")
+
+
+async def main(cfg: Config, stop: asyncio.Event, name: str | None = None,
+               every_s: float | None = None) -> None:
+    """The evaluator role (``name`` is accepted as every role's is; there is one
+    evaluator per run, `pipeline.bus.client.worker_id`'s default)."""
     set_threads(1)
     await Evaluator(cfg, cfg.eval.every_s if every_s is None else every_s).run(stop)

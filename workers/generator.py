@@ -49,7 +49,7 @@ from workers.engines.transformers import TransformersEngine
 from workers.environments.base import EpisodeFailure
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
 from workers.hooks import load_filter, load_rollout, render_group_prompt
-from workers.tasks.catalog import prompt_for_cursor, task_from_config
+from workers.tasks.catalog import Task, prompt_for_cursor, task_from_config
 from workers.tasks.prompts import Messages
 
 log = logging.getLogger("sluice.generator")
@@ -431,6 +431,21 @@ class Generator:
             await bus.close()
             await self.engine.close()
             log.info("generator %s stopped: %d groups", self.wid, self.groups)
+
+
+def preflight(cfg: Config, policy_tokenizer: Callable[[], Any]) -> Task:
+    """What a generator loads first, checked before any role starts (`sluice generate`,
+    `sluice up`): the in-process engine's ``generation.device``, the task (data, columns,
+    prompt lengths, rendered with ``policy_tokenizer()``: None when `sluice up` is about
+    to build the tiny model), the environment or rollout hook (one instance built) and
+    the prompt filter. Each failure is a ``ConfigError`` / ``ValueError`` naming the key.
+    Returns the task, which the other roles' checks reuse."""
+    if cfg.generation.engine == "transformers":
+        resolve_device(cfg.generation.device, "generation.device")
+    task = task_from_config(cfg, policy_tokenizer())
+    load_rollout(cfg)
+    load_filter(cfg)
+    return task
 
 
 async def main(cfg: Config, stop: asyncio.Event, name: str | None = None) -> None:

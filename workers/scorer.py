@@ -61,7 +61,7 @@ from pipeline.bus.codec import DecodeError, decode_entry, encode, peek_group_id
 from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup
-from pipeline.config import Config, ConfigError, RewardSpec
+from pipeline.config import Config
 from pipeline.metrics import start as start_metrics
 from pipeline.rl.advantages import (
     batch_advantages,
@@ -72,16 +72,17 @@ from pipeline.rl.advantages import (
 from pipeline.rl.distillation import mean_over_mask, reverse_kl, token_advantages
 from pipeline.runtime import Heartbeat, connect, join, limits
 from workers.hooks import load_hook
-from workers.tasks.catalog import Task, task_from_config
+from workers.tasks.catalog import Task
 from workers.tasks.rewards import (
     RewardError,
     RewardFn,
+    check_rewards,
     episode_inputs,
-    load_reward,
-    probe_reward,
+    load_rewards,
+    probe_rewards,
     reward_matrix,
 )
-from workers.teacher import Teacher, TeacherError, check_vocab, load_teacher
+from workers.teacher import Teacher, TeacherError, check_teacher, load_teacher
 
 log = logging.getLogger("sluice.scorer")
 KL_LOG_EVERY_S = 10.0  # the teacher's reverse KL is logged at most this often
@@ -423,68 +424,17 @@ async def whole_then_each(groups: list[RolloutGroup],
     return out
 
 
-def check_teacher(cfg: Config, policy_tokenizer: Any = None) -> None:
-    """What the scorer runs at start, and `sluice up` / `sluice score` before any role:
-    with ``scoring.teacher`` set, its vocabulary must be the policy's
-    (`workers.teacher.check_vocab`: ``ConfigError`` naming ``scoring.teacher``) and an
-    in-process teacher's device must exist (``scoring.teacher_device``); warns
-    when the policy samples at a temperature other than 1 or truncated (top-k / top-p),
-    as the teacher is compared untempered (`workers.teacher`)."""
-    if not cfg.scoring.teacher:
-        return
-    if not cfg.scoring.teacher_urls:
-        from pipeline.devices import resolve_device
-
-        resolve_device(cfg.scoring.teacher_device, "scoring.teacher_device")
-    check_vocab(cfg, policy_tokenizer)
-    g = cfg.generation
-    if g.temperature != 1.0 or g.top_k or g.top_p < 1.0:
-        log.warning("scoring.teacher: the policy samples at temperature %g (top_k %d, top_p "
-                    "%g); the teacher is compared at temperature 1 without truncation, so "
-                    "the tempered policy is what comes to match it (docs/distillation.md)",
-                    g.temperature, g.top_k, g.top_p)
-
-
-def reward_specs(cfg: Config, key: str = "scoring.rewards") -> list[RewardSpec]:
-    """The reward specs under ``key``: ``scoring.rewards``, or ``eval.rewards`` (the
-    evaluator's, `Config.eval_rewards`)."""
-    return cfg.scoring.rewards if key == "scoring.rewards" else cfg.eval_rewards
-
-
-def load_rewards(cfg: Config, key: str = "scoring.rewards") -> list[RewardFn]:
-    """The reward functions under ``key`` loaded; an import problem raises
-    ``ConfigError`` naming the key."""
-    out = []
-    for i, spec in enumerate(reward_specs(cfg, key)):
-        try:
-            out.append(load_reward(spec.fn, spec.weight))
-        except ValueError as e:
-            raise ConfigError(f"{key}.{i}.fn: {e}") from None
-    return out
-
-
-async def probe_rewards(cfg: Config, rewards: list[RewardFn], task: Task | None = None,
-                        key: str = "scoring.rewards") -> None:
-    """Call each reward once on a held-out prompt of the task (the first training prompt
-    if there is none; `workers.tasks.rewards.probe_reward`). ``ConfigError`` naming the first
-    function (under ``key``) that cannot be called, with its own error message."""
-    task = task or task_from_config(cfg)
-    held = task.heldout(1)
-    prompt = held[0] if held else task.prompt(0)
-    timeout_s = cfg.scoring.reward_timeout_s
-    problems = await asyncio.gather(*[probe_reward(rf, prompt, timeout_s) for rf in rewards])
-    for i, (rf, problem) in enumerate(zip(rewards, problems, strict=True)):
-        if problem is not None:
-            hint = " (raise scoring.reward_timeout_s?)" if problem.startswith("timed out") else ""
-            raise ConfigError(f"{key}.{i}.fn {rf.path or rf.name!r}: {problem}{hint}")
-
-
-def check_rewards(cfg: Config, task: Task | None = None, key: str = "scoring.rewards"
-                  ) -> None:
-    """What `sluice up`, `sluice score` and `sluice eval` run before starting any role:
-    load and probe every reward function under ``key`` (building the task unless given);
-    ``ConfigError`` / ``ValueError`` naming the key."""
-    asyncio.run(probe_rewards(cfg, load_rewards(cfg, key), task, key))
+def preflight(cfg: Config, task: Task | None, policy_tokenizer: Callable[[], Any]) -> None:
+    """What the scorer loads first, checked before any role starts (`sluice score`,
+    `sluice up`): the ``scoring.advantages`` hook imports, every reward function is called
+    once on a held-out prompt (`workers.tasks.rewards.check_rewards`; ``task`` built here
+    when not given), and a teacher's vocabulary is the policy's (`check_teacher`;
+    ``policy_tokenizer`` is called only then). Each failure is a ``ConfigError`` /
+    ``ValueError`` naming the key."""
+    load_hook(cfg.scoring.advantages, "scoring.advantages")
+    check_rewards(cfg, task)
+    if cfg.scoring.teacher:
+        check_teacher(cfg, policy_tokenizer())
 
 
 async def main(cfg: Config, stop: asyncio.Event, name: str | None = None) -> None:

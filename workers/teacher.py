@@ -366,3 +366,25 @@ def _policy_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
     if not is_hub_id(path) and not (Path(path) / "config.json").is_file() and cfg.model.init:
         return build_char_tokenizer()  # `sluice up` builds the tiny model there
     return load_tokenizer(path, cfg.model.revision)
+
+
+def check_teacher(cfg: Config, policy_tokenizer: Any = None) -> None:
+    """What the scorer runs at start, and `sluice up` / `sluice score` before any role:
+    with ``scoring.teacher`` set, its vocabulary must be the policy's
+    (`check_vocab`: ``ConfigError`` naming ``scoring.teacher``) and an
+    in-process teacher's device must exist (``scoring.teacher_device``); warns
+    when the policy samples at a temperature other than 1 or truncated (top-k / top-p),
+    as the teacher is compared untempered (module docstring)."""
+    if not cfg.scoring.teacher:
+        return
+    if not cfg.scoring.teacher_urls:
+        from pipeline.devices import resolve_device
+
+        resolve_device(cfg.scoring.teacher_device, "scoring.teacher_device")
+    check_vocab(cfg, policy_tokenizer)
+    g = cfg.generation
+    if g.temperature != 1.0 or g.top_k or g.top_p < 1.0:
+        log.warning("scoring.teacher: the policy samples at temperature %g (top_k %d, top_p "
+                    "%g); the teacher is compared at temperature 1 without truncation, so "
+                    "the tempered policy is what comes to match it (docs/distillation.md)",
+                    g.temperature, g.top_k, g.top_p)

@@ -11,7 +11,6 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from pipeline.config import Config, ConfigError, load_config
 
@@ -131,72 +130,42 @@ def _acl(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_role_inputs(cfg: Config, cmd: str) -> None:
-    """What a role loads first, checked before it starts (and before `sluice up` touches
-    the run directory): a wrong device, a tracker that is not installed, task data
-    (dataset, split, columns, prompts over ``task.max_prompt_tokens``) or a reward function
-    that cannot be imported or called (a probe call on a held-out prompt), or a teacher
-    whose vocabulary is not the policy's, fails here naming the key, not as a traceback
-    from inside a role that started. (A missing or unknown
-    ``model.path`` fails when it is resolved and pinned; `sluice up` builds a missing tiny
-    model itself when ``model.init`` says so, and the task is then checked without the
-    tokenizer.)"""
+# subcommand -> (the role module, its Redis identity); `sluice up` runs all four
+ROLES = {"train": ("trainer.trainer", "trainer"), "generate": ("workers.generator", "generator"),
+         "score": ("workers.scorer", "scorer"), "eval": ("workers.evaluator", "evaluator")}
+
+
+def _preflight(cfg: Config, cmd: str) -> None:
+    """Each role's start-up checks (its module's ``preflight``), run before it starts and
+    before `sluice up` touches the run directory, so a wrong device, a tracker that is
+    not installed, task data, a reward function that cannot be called or a teacher of
+    another vocabulary fails here naming the key, not as a traceback from a role that
+    started. `sluice up` runs every role's, the task built once. (A missing or unknown
+    ``model.path`` fails when it is resolved and pinned; `sluice up` builds a missing
+    tiny model itself when ``model.init`` says so, and the task is then checked without
+    the tokenizer.)"""
+    import functools
+
+    from pipeline.model import tokenizer_if_present
+
+    tokenizer = functools.cache(lambda: tokenizer_if_present(cfg))
     if cmd in ("train", "up"):
-        from pipeline.devices import resolve_device
+        from trainer import trainer
 
-        resolve_device(cfg.trainer.device, "trainer.device")
-        if cfg.model.dtype == "float16" and not cfg.trainer.fp32_master:
-            raise ConfigError("trainer.fp32_master: model.dtype float16 needs float32 master "
-                              "weights (loss scaling); set it true or use bfloat16")
-    if cmd in ("generate", "eval", "up") and (cmd == "eval" or
-                                              cfg.generation.engine == "transformers"):
-        from pipeline.devices import resolve_device
-
-        resolve_device(cfg.generation.device, "generation.device")
-    if cmd in ("train", "eval", "up"):
-        from pipeline.tracking import check_report_to
-
-        check_report_to(cfg)  # run.report_to: a tracker library missing fails now
-    if cmd == "eval" and cfg.eval_engine == "vllm" and not cfg.eval.vllm_urls:
-        raise ConfigError("eval.vllm_urls: `sluice eval` on vLLM needs servers of its own "
-                          "(the generators' would be swapped to the evaluated version)")
+        trainer.preflight(cfg)
     task = None
-    if cmd in ("generate", "eval", "up"):
-        from workers.tasks.catalog import task_from_config
+    if cmd in ("generate", "up"):
+        from workers import generator
 
-        task = task_from_config(cfg, _tokenizer_if_present(cfg))  # data, columns, lengths
-        from workers.hooks import load_filter, load_rollout
-
-        load_rollout(cfg)  # the environment (one instance built) or the rollout hook
-        load_filter(cfg)
+        task = generator.preflight(cfg, tokenizer)
     if cmd in ("score", "up"):
-        from workers.hooks import load_hook
+        from workers import scorer
 
-        load_hook(cfg.scoring.advantages, "scoring.advantages")
-    if cmd in ("score", "up", "eval"):
-        from workers.scorer import check_rewards, check_teacher
+        scorer.preflight(cfg, task, tokenizer)
+    if cmd in ("eval", "up"):
+        from workers import evaluator
 
-        if cmd != "eval":
-            check_rewards(cfg, task)  # each reward function called once on a prompt
-            if cfg.scoring.teacher:  # its vocabulary against the policy's
-                check_teacher(cfg, _tokenizer_if_present(cfg))
-        if cmd != "score" and cfg.eval.rewards is not None:
-            check_rewards(cfg, task, "eval.rewards")  # the evaluator's own
-
-
-def _tokenizer_if_present(cfg: Config) -> Any:
-    """The model's tokenizer when the model exists (a folder with config.json, or a hub
-    id: resolved through the cache, an offline miss fails naming ``model.path``); None
-    when `sluice up` is about to build the tiny model."""
-    from pathlib import Path
-
-    from pipeline.hub import is_hub_id
-    from pipeline.model import load_tokenizer
-
-    path = cfg.model.path
-    if is_hub_id(path) or (Path(path) / "config.json").is_file():
-        return load_tokenizer(path, cfg.model.revision)
-    return None
+        evaluator.preflight(cfg, task, tokenizer, alone=cmd == "eval")
 
 
 def _pin(cfg: Config, args: argparse.Namespace) -> Config:
@@ -321,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "acl":
             return _acl(cfg, args)
         _check_credentials(cfg, args.cmd)
-        _check_role_inputs(cfg, args.cmd)
+        _preflight(cfg, args.cmd)
         if args.cmd == "up":
             from pipeline.ops.up import prepare
 
@@ -349,27 +318,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_role(cfg: Config, args: argparse.Namespace) -> None:
+    """Hand the process to the role's ``main(cfg, stop, name, ...)`` (`ROLES`)."""
+    import importlib
+
     from pipeline.runtime import run_role
 
-    if args.cmd == "generate":
-        from workers import generator
-
-        run_role(lambda stop: generator.main(cfg, stop, args.name), "generator")
-    elif args.cmd == "score":
-        from workers import scorer
-
-        run_role(lambda stop: scorer.main(cfg, stop, args.name), "scorer")
-    elif args.cmd == "eval":
-        from workers import evaluator
-
-        run_role(lambda stop: evaluator.main(cfg, stop, args.every), "evaluator")
-    elif args.cmd == "train":
-        from trainer import trainer
-
-        rank = 0
-        if args.name and args.name.rsplit("-", 1)[-1].isdigit():
-            rank = int(args.name.rsplit("-", 1)[-1])
-        run_role(lambda stop: trainer.main(cfg, stop, rank), "trainer")
+    module, role = ROLES[args.cmd]
+    main = importlib.import_module(module).main
+    extra = {"every_s": args.every} if args.cmd == "eval" else {}
+    run_role(lambda stop: main(cfg, stop, args.name, **extra), role)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ import torch
 from pipeline.config import ConfigError, load_config
 from pipeline.model import load_model
 from tests.helpers import build_bpe_model
-from workers.scorer import check_teacher
-from workers.teacher import LocalTeacher, _completion_logprobs, check_vocab
+from workers.teacher import LocalTeacher, _completion_logprobs, check_teacher, check_vocab
 
 ROWS = [  # (prompt, completion, mask): lengths differ; the second has environment tokens
     (np.array([5, 6, 7, 66], np.int32), np.array([5, 6, 7, 1], np.int32),

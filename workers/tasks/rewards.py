@@ -44,7 +44,9 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.config import Config, ConfigError, RewardSpec
 from pipeline.imports import load_callable
+from workers.tasks.catalog import Task, task_from_config
 from workers.tasks.prompts import completion_for, completion_text, is_conversational
 
 _EOS = None  # end-of-sequence marker in character lists; never equal to a character
@@ -334,3 +336,48 @@ async def probe_reward(rf: RewardFn, prompt: Mapping[str, Any], timeout_s: float
             return f"{type(cause).__name__}: {cause}"
         return e.problem
     return None
+
+
+# ------------------------------------------------------------------ a config's rewards
+
+
+def reward_specs(cfg: Config, key: str = "scoring.rewards") -> list[RewardSpec]:
+    """The reward specs under ``key``: ``scoring.rewards``, or ``eval.rewards`` (the
+    evaluator's, `Config.eval_rewards`)."""
+    return cfg.scoring.rewards if key == "scoring.rewards" else cfg.eval_rewards
+
+
+def load_rewards(cfg: Config, key: str = "scoring.rewards") -> list[RewardFn]:
+    """The reward functions under ``key`` loaded; an import problem raises
+    ``ConfigError`` naming the key."""
+    out = []
+    for i, spec in enumerate(reward_specs(cfg, key)):
+        try:
+            out.append(load_reward(spec.fn, spec.weight))
+        except ValueError as e:
+            raise ConfigError(f"{key}.{i}.fn: {e}") from None
+    return out
+
+
+async def probe_rewards(cfg: Config, rewards: list[RewardFn], task: Task | None = None,
+                        key: str = "scoring.rewards") -> None:
+    """Call each reward once on a held-out prompt of the task (the first training prompt
+    if there is none; `probe_reward`). ``ConfigError`` naming the first
+    function (under ``key``) that cannot be called, with its own error message."""
+    task = task or task_from_config(cfg)
+    held = task.heldout(1)
+    prompt = held[0] if held else task.prompt(0)
+    timeout_s = cfg.scoring.reward_timeout_s
+    problems = await asyncio.gather(*[probe_reward(rf, prompt, timeout_s) for rf in rewards])
+    for i, (rf, problem) in enumerate(zip(rewards, problems, strict=True)):
+        if problem is not None:
+            hint = " (raise scoring.reward_timeout_s?)" if problem.startswith("timed out") else ""
+            raise ConfigError(f"{key}.{i}.fn {rf.path or rf.name!r}: {problem}{hint}")
+
+
+def check_rewards(cfg: Config, task: Task | None = None, key: str = "scoring.rewards"
+                  ) -> None:
+    """What `sluice up`, `sluice score` and `sluice eval` run before starting any role:
+    load and probe every reward function under ``key`` (building the task unless given);
+    ``ConfigError`` / ``ValueError`` naming the key."""
+    asyncio.run(probe_rewards(cfg, load_rewards(cfg, key), task, key))
