@@ -200,8 +200,14 @@ class Pipeline:
                 for g in self.r.xinfo_groups(key)}
 
     def log(self, name: str) -> str:
+        """The tail of ``name``'s log, for failure messages."""
+        return f"--- {name}\n" + (self.text(name)[-3000:] or "(no log)")
+
+    def text(self, name: str) -> str:
+        """``name``'s whole log, for assertions on what it says (a tail can lose an early
+        line under a burst of later ones)."""
         path = self.tmp / "logs" / f"{name}.log"
-        return f"--- {name}\n" + (path.read_text()[-3000:] if path.exists() else "(no log)")
+        return path.read_text() if path.exists() else ""
 
     def logs(self) -> str:
         return "\n".join(self.log(n) for n in self.procs)

@@ -112,6 +112,6 @@ def test_trainer_killed_mid_step_resumes_and_never_goes_back(pipeline: Pipeline)
         assert p.control_length() > announced_before
         still = p.pending_ids("scored", TRAINERS_GROUP)
         assert not still & held, "the restarted trainer drained what it held"
-        assert "resumed from step" in p.log("trainer-0")
+        assert "resumed from step" in p.text("trainer-0"), p.log("trainer-0")
         p.stop_all()
         p.assert_clean(min_trained=56)

@@ -91,7 +91,8 @@ def restart_then_outage(pipeline: Pipeline) -> None:
         check_reconnected(p)
         p.wait_trained(state["retired:trained"] + 16)
         for name in ROLES:
-            assert "redis unavailable" in p.log(name) and "reachable again" in p.log(name)
+            assert "redis unavailable" in p.text(name) and "reachable again" in p.text(name), \
+                p.log(name)
 
         p.stop_redis()
         p.faults += 1
