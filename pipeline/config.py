@@ -185,7 +185,7 @@ class TaskConfig(_Section):
     """Column holding the prompt: a string, or a conversation ``[{role, content}, …]``
     (TRL's conversational format, rendered with the chat template)."""
     answer_column: str = ""
-    """Column holding the reference answer, also passed to rewards as ``answer`` (empty =
+    """Column holding the expected answer, also passed to rewards as ``answer`` (empty =
     the column `answer` if any). Every column reaches rewards under its own name anyway."""
     rename_columns: dict[str, str] = Field(default_factory=dict)
     """`hf`: columns renamed after loading (old = new), as `Dataset.rename_columns`, e.g.

@@ -44,6 +44,30 @@ STEP, IDLE, STOP = 0, 1, 2
 _STORES: list[dist.Store] = []  # this process's job store (see `Ranks.close`)
 
 
+@dataclass(frozen=True)
+class StepHeader:
+    """What rank 0 tells every rank before each exchange (broadcast as four int64s):
+    ``command`` (`STEP`: the step's groups follow; `IDLE`; `STOP`), the weight
+    ``version`` the step trains, and whether the step ends in a ``publish`` of the
+    weights and a checkpoint ``save``."""
+
+    command: int
+    version: int = 0
+    publish: bool = False
+    save: bool = False
+
+    def as_ints(self) -> list[int]:
+        return [self.command, self.version, int(self.publish), int(self.save)]
+
+    @classmethod
+    def of_ints(cls, ints: list[int]) -> StepHeader:
+        command, version, publish, save = ints
+        return cls(command, version, bool(publish), bool(save))
+
+
+IDLE_HEADER = StepHeader(IDLE)
+
+
 @dataclass
 class Ranks:
     """This process's place in the job: ``world`` ranks, this one ``rank``."""
@@ -119,16 +143,16 @@ class Ranks:
 
     # ------------------------------------------------------------------ per step
 
-    def exchange(self, header: list[int], groups: list[ScoredGroup] | None = None,
-                 limits: Limits | None = None) -> tuple[list[int], list[ScoredGroup]]:
-        """Rank 0 sends ``header`` = [command, version, publish, save] and, for ``STEP``,
-        the step's groups; every rank returns them (others pass anything as header)."""
+    def exchange(self, header: StepHeader, groups: list[ScoredGroup] | None = None,
+                 limits: Limits | None = None) -> tuple[StepHeader, list[ScoredGroup]]:
+        """Rank 0 sends ``header`` and, for ``STEP``, the step's groups; every rank
+        returns them (the others pass any header, e.g. `IDLE_HEADER`)."""
         if not self.distributed:
             return header, groups or []
-        head = torch.tensor(header, dtype=torch.int64)
+        head = torch.tensor(header.as_ints(), dtype=torch.int64)
         dist.broadcast(head, 0)
-        header = [int(x) for x in head]
-        if header[0] != STEP:
+        header = StepHeader.of_ints([int(x) for x in head])
+        if header.command != STEP:
             return header, []
         blobs = [encode(g) for g in groups or []] if self.is_main else None
         payload = self.broadcast_bytes(_join(blobs) if blobs is not None else None)

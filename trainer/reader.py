@@ -23,7 +23,8 @@ from collections import OrderedDict
 from typing import Any
 
 from pipeline.bus.client import Bus, Entry
-from pipeline.bus.codec import DecodeError, decode_entry, peek_group_id
+from pipeline.bus.codec import peek_group_id
+from pipeline.bus.inbound import triage
 from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import Limits, ScoredGroup
@@ -87,21 +88,13 @@ class Reader:
                      ) -> ScoredGroup | None:
         """The entry's group if it is to be trained at ``version``; otherwise settle it
         here (dead-letter, stale, duplicate, deleted), retrying through Redis outages."""
-        e.stream = e.stream or bus.keys.scored  # built by hand (tests): lane 0's
-        if e.fields is None:
-            await bus.retrying(lambda: bus.ack(e.stream, TRAINERS_GROUP, e.id), "ack")
-            return None
-        if e.deliveries > self.cfg.bus.max_deliveries:
-            await self.dead_letter(bus, e, peek_group_id(e.fields),
-                                   f"trainer: delivered {e.deliveries} times without a "
-                                   "completed step (its step raised; see the trainer log)")
-            return None
-        try:
-            sg = decode_entry(e.fields, self.limits, expect=ScoredGroup)
-            assert isinstance(sg, ScoredGroup)
-        except DecodeError as err:
-            log.warning("dead-lettering %s: %s", e.id, err)
-            await self.dead_letter(bus, e, peek_group_id(e.fields), f"decode: {err}")
+        sg = await triage(bus, e, TRAINERS_GROUP, stream=bus.keys.scored, expect=ScoredGroup,
+                          limits=self.limits, max_deliveries=self.cfg.bus.max_deliveries,
+                          dead_letter=lambda e, reason: self.dead_letter(
+                              bus, e, peek_group_id(e.fields), reason),
+                          too_many="trainer: delivered {n} times without a completed step "
+                                   "(its step raised; see the trainer log)")
+        if sg is None:
             return None
         gid = sg.group.group_id
         if gid in self.trained or gid in seen:
@@ -122,6 +115,7 @@ class Reader:
         return sg
 
     async def dead_letter(self, bus: Bus, e: Entry, gid: str | None, reason: str) -> None:
+        log.warning("dead-lettering %s (group %s): %s", e.id, gid, reason)
         op = f"dead:{self.consumer}:{e.id}:{e.deliveries}"
         if await self.ledger.settle(
                 op, [{"ev": "dead", "gid": gid, "retired": gid is not None, "id": e.id,

@@ -57,22 +57,22 @@ class TrainSetup:
 
 
 def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
-    tc = cfg.trainer
-    device = resolve_device(tc.device, "trainer.device")
+    train_cfg = cfg.trainer
+    device = resolve_device(train_cfg.device, "trainer.device")
     ranks = ranks or Ranks.from_env(device, timeout_s=1800)
     ranks.check_config(cfg)
     if ranks.distributed and cfg.model.lora is not None:
         raise ConfigError("model.lora: LoRA training runs on one trainer rank "
                           f"(this job has {ranks.world}); drop the ranks or the adapter")
-    if tc.groups_per_step % ranks.world:
-        raise ConfigError(f"trainer.groups_per_step: {tc.groups_per_step} does not split "
+    if train_cfg.groups_per_step % ranks.world:
+        raise ConfigError(f"trainer.groups_per_step: {train_cfg.groups_per_step} does not split "
                           f"into whole groups over {ranks.world} ranks")
     low = torch_dtype(cfg.model.dtype)
-    master = "float32" if tc.fp32_master else cfg.model.dtype
-    compute = low if tc.fp32_master and low != torch.float32 else None
+    master = "float32" if train_cfg.fp32_master else cfg.model.dtype
+    compute = low if train_cfg.fp32_master and low != torch.float32 else None
     model, tok = load_policy(cfg, device=device, dtype=master)
     model.train()
-    if tc.gradient_checkpointing:
+    if train_cfg.gradient_checkpointing:
         base = model.get_base_model() if is_peft(model) else model  # type: ignore[operator]
         if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x
             base.activation_checkpointing_enable(
@@ -80,38 +80,40 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
         else:
             base.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
-    temperature = tc.temperature or cfg.generation.temperature
-    fwd = CompletionLogprobs(model, temperature, tc.logprob_chunk_tokens)
+    temperature = train_cfg.temperature or cfg.generation.temperature
+    fwd = CompletionLogprobs(model, temperature, train_cfg.logprob_chunk_tokens)
     ref = None
-    if tc.beta > 0 and cfg.model.lora is None:  # frozen reference: loaded once, never synced
+    if train_cfg.beta > 0 and cfg.model.lora is None:  # frozen reference: loaded once, never synced
         ref_model, _ = load_model(cfg.model.path, dtype=master, device=device,
                                   attn_implementation=cfg.model.attn_implementation,
                                   revision=cfg.model.revision)
         ref_model.requires_grad_(False)
-        ref = CompletionLogprobs(ref_model, temperature, tc.logprob_chunk_tokens)
+        ref = CompletionLogprobs(ref_model, temperature, train_cfg.logprob_chunk_tokens)
     if ranks.distributed:
         shard_model(fwd, device, compute)
         if ref is not None:
             shard_model(ref, device, compute)
         compute = None  # FSDP's mixed-precision policy casts; no autocast on top
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=tc.lr, betas=tc.adam_betas,
-                                  weight_decay=tc.weight_decay)
-    scheduler = get_scheduler(tc.lr_scheduler, optimizer, num_warmup_steps=tc.warmup_steps,
-                              num_training_steps=tc.max_steps)
+    optimizer = torch.optim.AdamW(trainable, lr=train_cfg.lr, betas=train_cfg.adam_betas,
+                                  weight_decay=train_cfg.weight_decay)
+    scheduler = get_scheduler(train_cfg.lr_scheduler, optimizer,
+                              num_warmup_steps=train_cfg.warmup_steps,
+                              num_training_steps=train_cfg.max_steps)
     scaler = torch.amp.GradScaler(device.type) if low == torch.float16 else None
     pad_id = int(getattr(tok, "pad_token_id", None) or 0)
+    t = train_cfg
     settings = StepSettings(
         loss=LossConfig(
-            loss_type=tc.loss_type, epsilon=tc.epsilon, epsilon_high=tc.epsilon_high,
-            is_mode=tc.is_mode, is_clip_min=tc.is_clip_min, is_clip_max=tc.is_clip_max,
-            beta=tc.beta, kl_bias_correction=tc.kl_bias_correction,
+            loss_type=t.loss_type, epsilon=t.epsilon, epsilon_high=t.epsilon_high,
+            is_mode=t.is_mode, is_clip_min=t.is_clip_min, is_clip_max=t.is_clip_max,
+            beta=t.beta, kl_bias_correction=t.kl_bias_correction,
             max_completion_length=cfg.max_rollout_tokens,
-            importance_sampling_level=tc.importance_sampling_level,
-            decoupled_ppo=tc.decoupled_ppo, geo_mask=tc.geo_mask),
-        temperature=temperature, num_iterations=tc.num_iterations,
-        max_grad_norm=tc.max_grad_norm, micro_batch_tokens=tc.micro_batch_tokens,
-        layout=layout_kind(cfg, model), chunk_tokens=tc.logprob_chunk_tokens, pad_id=pad_id,
+            importance_sampling_level=t.importance_sampling_level,
+            decoupled_ppo=t.decoupled_ppo, geo_mask=t.geo_mask),
+        temperature=temperature, num_iterations=t.num_iterations,
+        max_grad_norm=t.max_grad_norm, micro_batch_tokens=t.micro_batch_tokens,
+        layout=layout_kind(cfg, model), chunk_tokens=t.logprob_chunk_tokens, pad_id=pad_id,
         compute_dtype=compute)
     return TrainSetup(ranks, device, model, fwd, ref, optimizer, scheduler, scaler, settings,
                       pad_id, tok)

@@ -62,9 +62,10 @@ from pipeline.weights import make_transport
 from trainer import setup
 from trainer.batch import Batch, build_batch
 from trainer.checkpoint import Checkpointer, TrainerState
-from trainer.distributed import IDLE, STEP, STOP, full_state
+from trainer.distributed import IDLE, IDLE_HEADER, STEP, STOP, StepHeader, full_state
 from trainer.lock import TrainerLock
 from trainer.reader import Reader, is_stale
+from trainer.setup import TrainSetup
 from trainer.stats import rollout_stats, step_tokens
 from trainer.step import compute_loss, optimize
 
@@ -80,23 +81,24 @@ class StaleSampleError(AssertionError):
 class Trainer:
     def __init__(self, cfg: Config, rank: int = 0):
         self.cfg = cfg
-        self.tc = cfg.trainer
+        self.train_cfg = cfg.trainer
         self.consumer = f"trainer-{rank}"
         self.wid = worker_id("trainer", self.consumer)
-        self.s = setup.build(cfg)
-        self.ranks = self.s.ranks
+        self.setup: TrainSetup = setup.build(cfg)  # device, model, optimizer, schedule
+        self.ranks = self.setup.ranks
         self.metrics = start_metrics(  # rank 0 serves, and reads what it consumes
             cfg.metrics, "trainer", self.wid, serve=self.ranks.is_main,
-            groups=[("scored", TRAINERS_GROUP)], lengths=["scored", "dlq"], window=self.tc.window)
-        self.model, self.tokenizer = self.s.model, self.s.tokenizer
-        self.optimizer, self.pad_id = self.s.optimizer, self.s.pad_id
-        self.step_settings = self.s.settings
+            groups=[("scored", TRAINERS_GROUP)], lengths=["scored", "dlq"],
+            window=self.train_cfg.window)
+        self.model, self.tokenizer = self.setup.model, self.setup.tokenizer
+        self.optimizer, self.pad_id = self.setup.optimizer, self.setup.pad_id
+        self.step_settings = self.setup.settings
         gen = cfg.generation
         self.expects_candidates = gen.top_k > 0 or gen.top_p < 1.0
         self.warned_candidates = False
         out = cfg.output_path
-        self.store = make_transport(cfg, keep=self.tc.max_staleness + 2)  # file/lora/nccl
-        self.ckpt = Checkpointer(out / "checkpoints", keep=self.tc.keep_checkpoints)
+        self.store = make_transport(cfg, keep=self.train_cfg.max_staleness + 2)  # file/lora/nccl
+        self.ckpt = Checkpointer(out / "checkpoints", keep=self.train_cfg.keep_checkpoints)
         self.metrics_path = out / "metrics.jsonl"
         self.limits = limits(cfg)
         self.state = TrainerState()
@@ -111,11 +113,11 @@ class Trainer:
     @property
     def ref_model(self) -> torch.nn.Module | None:
         """The frozen KL reference of a full-weight run (None: no KL, or LoRA's base)."""
-        return self.s.ref.policy if self.s.ref is not None else None
+        return self.setup.ref.policy if self.setup.ref is not None else None
 
     def info(self) -> dict[str, Any]:
         return {"step": self.state.step, "version": self.state.version,
-                "max_steps": self.tc.max_steps, "ranks": self.ranks.world, **self.counts,
+                "max_steps": self.train_cfg.max_steps, "ranks": self.ranks.world, **self.counts,
                 "last": self.last}
 
     @property
@@ -124,7 +126,7 @@ class Trainer:
         return self.reader.counts
 
     def is_stale(self, sg: ScoredGroup) -> bool:
-        return is_stale(self.state.version, sg.group.min_version, self.tc.max_staleness)
+        return is_stale(self.state.version, sg.group.min_version, self.train_cfg.max_staleness)
 
     async def collect(self, bus: Bus, stop: asyncio.Event) -> list[tuple[str, ScoredGroup]]:
         """``groups_per_step`` fresh, new groups as (entry id, group); fewer only when
@@ -143,18 +145,19 @@ class Trainer:
         batch = build_batch(self.ranks.shard(groups), self.pad_id)
         trained = batch.mask > 0
         age = (self.state.version - batch.versions).float()
-        if trained.any() and float(age[trained].max()) > self.tc.max_staleness:
+        if trained.any() and float(age[trained].max()) > self.train_cfg.max_staleness:
             raise StaleSampleError(
                 f"admitted stale training data: a token {int(age[trained].max())} versions "
-                f"old (max_staleness {self.tc.max_staleness}) in the batch of version "
+                f"old (max_staleness {self.train_cfg.max_staleness}) in the batch of version "
                 f"{self.state.version}")
         missing = self.candidates_missing(batch)
-        metrics = optimize(self.s.fwd, self.optimizer, batch, self.step_settings, self.s.ref,
-                           dp=self.ranks.data_parallel(), scaler=self.s.scaler)
+        metrics = optimize(self.setup.fwd, self.optimizer, batch, self.step_settings,
+                           self.setup.ref, dp=self.ranks.data_parallel(),
+                           scaler=self.setup.scaler)
         if not metrics["skipped"]:
-            self.s.scheduler.step()
+            self.setup.scheduler.step()
         m = batch.mask
-        return {"tokens": batch.num_tokens, "lr": float(self.s.scheduler.get_last_lr()[0]),
+        return {"tokens": batch.num_tokens, "lr": float(self.setup.scheduler.get_last_lr()[0]),
                 "staleness_mean": float((age * m).sum() / m.sum().clamp(min=1)),
                 "staleness_max": float(age[trained].max()) if trained.any() else 0.0,
                 "candidates/missing_frac": missing, **metrics}
@@ -179,7 +182,7 @@ class Trainer:
         for i, g in enumerate(groups):
             try:
                 with torch.no_grad():
-                    compute_loss(self.s.fwd, build_batch([g], self.pad_id), self.step_settings)
+                    compute_loss(self.setup.fwd, build_batch([g], self.pad_id), self.step_settings)
             except Exception:
                 bad.append(i)
         return bad
@@ -191,14 +194,14 @@ class Trainer:
             return self.model
         return full_state(self.model, self.ranks)
 
-    def step_all(self, header: list[int], groups: list[ScoredGroup]
+    def step_all(self, header: StepHeader, groups: list[ScoredGroup]
                  ) -> tuple[dict[str, float], Any]:
         """Send the step to every rank, train this rank's share, and gather the weights
         when the step publishes. Blocking: run in a worker thread on rank 0."""
         _, groups = self.ranks.exchange(header, groups, self.limits)
         metrics = self.train_step(groups)
         source = None
-        if header[2] and not metrics["skipped"]:
+        if header.publish and not metrics["skipped"]:
             source = self.weights()
         return metrics, source
 
@@ -218,7 +221,7 @@ class Trainer:
 
     def load_checkpoint(self) -> TrainerState | None:
         """Every rank: the newest checkpoint into the model, optimizer and schedule."""
-        return self.ckpt.load_latest(self.model, self.optimizer, self.s.scheduler, self.ranks)
+        return self.ckpt.load_latest(self.model, self.optimizer, self.setup.scheduler, self.ranks)
 
     async def resume(self, bus: Bus) -> None:
         """Continue from the newest checkpoint; never move ``version`` backwards."""
@@ -241,7 +244,7 @@ class Trainer:
     def checkpoint(self) -> None:
         """Every rank (they gather); rank 0 writes."""
         self.state.trained_ids = self.reader.trained_ids()
-        self.ckpt.save(self.model, self.optimizer, self.state, self.s.scheduler, self.ranks)
+        self.ckpt.save(self.model, self.optimizer, self.state, self.setup.scheduler, self.ranks)
 
     async def start_nccl(self) -> None:
         """GPU runs with ``generation.vllm.weight_transfer = "nccl"``: join the servers'
@@ -256,8 +259,8 @@ class Trainer:
             return
         clean = False
         log.info("trainer job of %d ranks on %s (layout %s, micro-batch budget %s)",
-                 self.ranks.world, self.s.device, self.step_settings.layout,
-                 self.tc.micro_batch_tokens or "off")
+                 self.ranks.world, self.setup.device, self.step_settings.layout,
+                 self.train_cfg.micro_batch_tokens or "off")
         bus = connect(self.cfg)
         lock = TrainerLock(bus, ttl_s=min(30.0, max(2.5, 5 * self.cfg.bus.heartbeat_s)))
         try:
@@ -270,7 +273,7 @@ class Trainer:
             await self.resume(bus)
             self.tracker = await asyncio.to_thread(open_tracker, self.cfg, "trainer",
                                                    self.state.step > 0)
-            if self.state.step < self.tc.max_steps:
+            if self.state.step < self.train_cfg.max_steps:
                 await control.clear_finished(bus)
             hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info, self.metrics)
             hb.start()
@@ -295,19 +298,20 @@ class Trainer:
     async def steps(self, bus: Bus, stop: asyncio.Event, lock: TrainerLock) -> str:
         """Rank 0's loop; returns why it ended (max_steps | stop)."""
         buf: list[tuple[Any, ScoredGroup]] = []
-        while self.state.step < self.tc.max_steps and not stop.is_set() and not lock.lost:
+        while self.state.step < self.train_cfg.max_steps and not stop.is_set() and not lock.lost:
             t0 = time.time()
             buf = await self.reader.collect(bus, stop, buf, wait_s=IDLE_EVERY_S,
                                             version=self.state.version)
-            if len(buf) < self.tc.groups_per_step:
+            if len(buf) < self.train_cfg.groups_per_step:
                 if not stop.is_set():
-                    await asyncio.to_thread(self.ranks.exchange, [IDLE, 0, 0, 0])
+                    await asyncio.to_thread(self.ranks.exchange, IDLE_HEADER)
                 continue  # stopping: the partial buffer stays pending for a restart
             t1 = time.time()
             groups = [sg for _, sg in buf]
             step = self.state.step + 1
-            header = [STEP, self.state.version, int(step % self.tc.weight_sync_steps == 0),
-                      int(step % self.tc.save_steps == 0)]
+            header = StepHeader(STEP, self.state.version,
+                                publish=step % self.train_cfg.weight_sync_steps == 0,
+                                save=step % self.train_cfg.save_steps == 0)
             try:
                 metrics, source = await asyncio.to_thread(self.step_all, header, groups)
             except StaleSampleError:
@@ -326,18 +330,18 @@ class Trainer:
             if source is not None:
                 self.state.version += 1
                 await self.publish(bus, source)
-            await self.reader.retire_trained(bus, buf, step, header[1])
+            await self.reader.retire_trained(bus, buf, step, header.version)
             buf = []
             run_state = await bus.retrying(bus.state, "state")
             metrics["filtered"] = run_state.get("retired:filtered", 0)
-            self.record(groups, metrics, t0, t1, trained_at=header[1])
-            if header[3]:
+            self.record(groups, metrics, t0, t1, trained_at=header.version)
+            if header.save:
                 await asyncio.to_thread(self.checkpoint)
-        return "max_steps" if self.state.step >= self.tc.max_steps else "stop"
+        return "max_steps" if self.state.step >= self.train_cfg.max_steps else "stop"
 
     def stop_ranks(self) -> None:
         """The final checkpoint, with every rank; then the others leave `follow`."""
-        self.ranks.exchange([STOP, self.state.version, 0, 1])
+        self.ranks.exchange(StepHeader(STOP, self.state.version, save=True))
         self.checkpoint()
 
     def follow(self) -> None:
@@ -345,19 +349,18 @@ class Trainer:
         self.load_checkpoint()
         self.weights()  # rank 0's first publish gathers
         while True:
-            header, groups = self.ranks.exchange([IDLE, 0, 0, 0])
-            cmd, version, publish, save = header
-            if cmd == IDLE:
+            header, groups = self.ranks.exchange(IDLE_HEADER)
+            if header.command == IDLE:
                 continue
-            self.state.version = version
-            if cmd == STOP:
-                if save:
+            self.state.version = header.version
+            if header.command == STOP:
+                if header.save:
                     self.checkpoint()
                 return
             metrics = self.train_step(groups)
-            if publish and not metrics["skipped"]:
+            if header.publish and not metrics["skipped"]:
                 self.weights()
-            if save and not metrics["skipped"]:
+            if header.save and not metrics["skipped"]:
                 self.checkpoint()
 
     def record(self, groups: list[ScoredGroup], metrics: dict[str, float], t0: float,

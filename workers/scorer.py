@@ -47,17 +47,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from pipeline.bus import control
 from pipeline.bus.client import Bus, Entry, worker_id
-from pipeline.bus.codec import DecodeError, decode_entry, encode, peek_group_id
+from pipeline.bus.codec import encode, peek_group_id
+from pipeline.bus.inbound import triage
 from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup
@@ -65,27 +66,47 @@ from pipeline.config import Config
 from pipeline.metrics import start as start_metrics
 from pipeline.rl.advantages import (
     batch_advantages,
-    check_hook_advantages,
     combine_rewards,
     is_zero_variance,
 )
 from pipeline.rl.distillation import mean_over_mask, reverse_kl, token_advantages
 from pipeline.runtime import Heartbeat, connect, join, limits
 from workers.hooks import load_hook
+from workers.scoring import hook_advantages, rewards_of, teacher_of
 from workers.tasks.catalog import Task
 from workers.tasks.rewards import (
     RewardError,
     RewardFn,
     check_rewards,
-    episode_inputs,
     load_rewards,
     probe_rewards,
-    reward_matrix,
 )
 from workers.teacher import Teacher, TeacherError, check_teacher, load_teacher
 
 log = logging.getLogger("sluice.scorer")
 KL_LOG_EVERY_S = 10.0  # the teacher's reverse KL is logged at most this often
+
+
+@dataclass
+class Scored:
+    """A group of one read whose rewards (and teacher logprobs) are in."""
+
+    entry: Entry
+    group: RolloutGroup
+    parts: np.ndarray  # [n, F]: each reward function's value (NaN where it gave None)
+    total: np.ndarray  # [n]: the weighted total reward
+    teacher_logprobs: list[np.ndarray] | None  # per rollout, per token; None: no teacher
+
+
+@dataclass
+class Handoff:
+    """One group's hand-off to ``scored``: the HANDOFF script's arguments and the ledger
+    lines it settles."""
+
+    entry_id: str
+    payload: bytes
+    op: str
+    planned: list[dict[str, object]]
 
 
 class Scorer:
@@ -121,63 +142,6 @@ class Scorer:
         return {**self.counts, "reward_sum": self.reward_sum, "reward_n": self.reward_n,
                 "part_sums": self.part_sums, "busy": self.busy, **kl}
 
-    async def rewards_of(self, groups: list[RolloutGroup]) -> list[np.ndarray | RewardError]:
-        """Per group, its [n, F] reward matrix (NaN where a function returned None) or
-        the error of its own call. One call over all groups first; on failure, one call
-        per group (module docstring)."""
-        timeout_s = self.cfg.scoring.reward_timeout_s
-
-        async def call(gs: list[RolloutGroup]) -> np.ndarray:
-            prompts = [g.prompt for g in gs for _ in g.rollouts]
-            rollouts = [r for g in gs for r in g.rollouts]
-            comps, extra = episode_inputs(prompts, rollouts)
-            return await reward_matrix(
-                self.rewards, prompts, comps, [r.completion_ids.tolist() for r in rollouts],
-                [r.finish_reason for r in rollouts], timeout_s=timeout_s, extra=extra)
-
-        return await whole_then_each(groups, call, RewardError, "reward")
-
-    async def teacher_of(self, groups: list[RolloutGroup]
-                         ) -> list[list[np.ndarray] | TeacherError | None]:
-        """Per group, the teacher's logprobs of each rollout's tokens, or the error of its
-        own call; None per group without a teacher. One call over all groups first."""
-        if self.teacher is None:
-            return [None] * len(groups)
-        teacher = self.teacher
-
-        async def call(gs: list[RolloutGroup]) -> list[np.ndarray]:
-            rollouts = [r for g in gs for r in g.rollouts]
-            out = await teacher.logprobs([(g.prompt_ids, r.completion_ids, r.mask)
-                                          for g in gs for r in g.rollouts])
-            if len(out) != len(rollouts):
-                raise TeacherError(f"{len(out)} teacher answers for {len(rollouts)} rollouts")
-            for r, lp in zip(rollouts, out, strict=True):
-                if len(lp) != len(r.mask) or not np.isfinite(lp[r.mask > 0]).all():
-                    raise TeacherError(f"{len(lp)} teacher logprobs for {len(r.mask)} "
-                                       "tokens, or one not finite")
-            return out
-
-        return await whole_then_each(groups, call, TeacherError, "teacher")
-
-    async def hook_advantages(self, g: RolloutGroup, total: np.ndarray
-                              ) -> tuple[np.ndarray, list[np.ndarray] | None]:
-        """The ``scoring.advantages`` hook's advantages of group ``g`` (checked by
-        `pipeline.rl.advantages.check_hook_advantages`); ``ValueError`` when it raises or
-        returns something else."""
-        assert self.adv_hook is not None
-        columns = {k: v for k, v in g.prompt.items() if k != "text"}
-        kwargs = {**columns, "rewards": [float(x) for x in total],
-                  "completion_ids": [r.completion_ids.tolist() for r in g.rollouts],
-                  "mask": [r.mask.tolist() for r in g.rollouts], "prompt": g.prompt}
-        try:
-            out = self.adv_hook(**kwargs)
-            if asyncio.iscoroutine(out):
-                out = await out
-        except Exception as err:
-            raise ValueError(f"raised {err!r}") from err
-        return check_hook_advantages(out, [len(r.completion_ids) for r in g.rollouts],
-                                     "scoring.advantages")
-
     async def dead(self, bus: Bus, e: Entry, reason: str) -> None:
         gid = peek_group_id(e.fields)
         log.warning("dead-lettering %s (group %s): %s", e.id, gid, reason)
@@ -190,26 +154,46 @@ class Scorer:
             self.counts["dead"] += 1
 
     async def process(self, bus: Bus, entries: list[Entry]) -> None:
+        """Settle one read: decode (`pipeline.bus.inbound.triage`), reward and ask the
+        teacher (`score`), compute the read's advantages, settle each group
+        (`settle`: filtered, dead or handed off) and hand the read's groups off in one
+        pipelined round trip (module docstring)."""
         decoded: list[tuple[Entry, RolloutGroup]] = []
         for e in entries:
-            e.stream = e.stream or bus.keys.rollouts  # built by hand (tests): lane 0's
-            if e.fields is None:  # deleted while pending: nothing to score
-                await bus.ack(e.stream, SCORERS_GROUP, e.id)
-                continue
-            if e.deliveries > self.cfg.bus.max_deliveries:
-                await self.dead(bus, e, f"delivered {e.deliveries} times")
-                continue
-            try:
-                g = decode_entry(e.fields, self.limits, expect=RolloutGroup)
-                assert isinstance(g, RolloutGroup)
-            except DecodeError as err:
-                await self.dead(bus, e, f"decode: {err}")
-                continue
-            decoded.append((e, g))
-        scored: list[tuple[Entry, RolloutGroup, np.ndarray, np.ndarray,
-                           list[np.ndarray] | None]] = []
+            g = await triage(bus, e, SCORERS_GROUP, stream=bus.keys.rollouts,
+                             expect=RolloutGroup, limits=self.limits,
+                             max_deliveries=self.cfg.bus.max_deliveries,
+                             dead_letter=lambda e, reason: self.dead(bus, e, reason))
+            if g is not None:
+                decoded.append((e, g))
+        scored = await self.score(bus, decoded)
+        if not scored:
+            return
+        sc = self.cfg.scoring
+        advs = batch_advantages([s.total for s in scored], scale_rewards=sc.scale_rewards,
+                                eps=sc.std_eps, ddof=sc.std_ddof)
+        handoffs = [h for s, adv in zip(scored, advs, strict=True)
+                    if (h := await self.settle(bus, s, adv)) is not None]
+        if handoffs:  # the read's hand-offs in one pipelined round trip (module docstring)
+            src = scored[0].entry.stream  # one read is one lane's (`Bus.read_lanes`)
+            done = await self.ledger.settle_many(
+                [(h.op, h.planned) for h in handoffs],
+                lambda: bus.handoff_many(src, SCORERS_GROUP, bus.lanes.of_stream(src).scored,
+                                         [(h.entry_id, h.payload, h.op) for h in handoffs]))
+            self.counts["scored"] += sum(1 for new_id in done if new_id)
+        self.log_kl()
+
+    async def score(self, bus: Bus, decoded: list[tuple[Entry, RolloutGroup]]
+                    ) -> list[Scored]:
+        """The rewards (and teacher logprobs) of every decoded group, the whole read at
+        once. A group whose reward functions or teacher failed on their own is counted
+        and dead-lettered on its last delivery, otherwise left pending to be read again;
+        it is not in the result."""
         groups = [g for _, g in decoded]
-        results, teacher = await asyncio.gather(self.rewards_of(groups), self.teacher_of(groups))
+        results, teacher = await asyncio.gather(
+            rewards_of(self.rewards, groups, self.cfg.scoring.reward_timeout_s),
+            teacher_of(self.teacher, groups))
+        scored: list[Scored] = []
         for (e, g), parts, tlp in zip(decoded, results, teacher, strict=True):
             try:
                 if isinstance(parts, RewardError):
@@ -226,74 +210,86 @@ class Scorer:
                     log.warning("%s failed for %s (delivery %d): %s", what, e.id,
                                 e.deliveries, err)
                 continue
-            scored.append((e, g, parts, total, tlp))
-        if not scored:
-            return
-        sc = self.cfg.scoring
-        advs = batch_advantages([t for _, _, _, t, _ in scored], scale_rewards=sc.scale_rewards,
-                                eps=sc.std_eps, ddof=sc.std_ddof)
-        handoffs: list[tuple[str, bytes, str, list[dict[str, object]]]] = []
-        for (e, g, parts, total, tlp), adv in zip(scored, advs, strict=True):
-            self.reward_sum += float(total.sum())
-            self.reward_n += len(total)
-            for j, rf in enumerate(self.rewards):
-                self.part_sums[rf.name] += float(np.nansum(parts[:, j]))
-            gid = g.group_id
-            flat = is_zero_variance(total)
-            if flat:  # exactly 0, so the trainer can tell it carries no gradient
-                adv = np.zeros_like(adv)
-            # the ledger's adv_sum: the group-relative reward advantages, centred on the group
-            # (audited); not a hook's replacement, nor the teacher's per-token term
-            adv_sum = round(float(np.sum(adv)), 6)
-            tadv, kl = None, {}
-            if self.adv_hook is not None:
-                try:
-                    adv, tadv = await self.hook_advantages(g, total)
-                except ValueError as err:  # the hook's bug: the group's, like a reward's
-                    self.counts["reward_errors"] += 1
-                    await self.dead(bus, e, f"scoring.advantages: {err}")
-                    continue
-                flat = not adv.any() and (tadv is None or not any(a.any() for a in tadv))
-            if tlp is not None:  # on-policy distillation (module docstring)
-                masks = [r.mask for r in g.rollouts]
-                behaviour = [r.logprobs for r in g.rollouts]
-                teacher_term = token_advantages(np.zeros(len(masks)), behaviour, tlp, masks,
-                                                sc.teacher_coef)
-                tadv = (token_advantages(adv, behaviour, tlp, masks, sc.teacher_coef)
-                        if tadv is None else [(x + y).astype(np.float32) for x, y in
-                                              zip(tadv, teacher_term, strict=True)])
-                flat = not any(a.any() for a in tadv)
-                kl_sum, kl_n = reverse_kl(behaviour, tlp, masks)
-                self.kl_sum += kl_sum
-                self.kl_n += kl_n
-                kl = {"kl": round(kl_sum / max(kl_n, 1), 6), "kl_n": kl_n}
-            self.ledger.write("scored", gid, id=e.id, n=len(total), adv_sum=adv_sum, **kl)
-            if flat and sc.zero_variance == "filter":
-                op = self.op("filtered", e)
-                if await self.ledger.settle(
-                        op, [{"ev": "filtered", "gid": gid, "id": e.id}],
-                        lambda e=e, op=op: bus.retire(e.stream, SCORERS_GROUP, [e.id],
-                                                      "filtered", op=op)):
-                    self.counts["filtered"] += 1
-                continue
-            sg = ScoredGroup(group=g.for_training(), rewards=total.astype(np.float32),
-                             reward_parts={rf.name: parts[:, j].astype(np.float32)
-                                           for j, rf in enumerate(self.rewards)},
-                             advantages=np.asarray(adv, dtype=np.float32) if tadv is None
-                             else mean_over_mask(tadv, [r.mask for r in g.rollouts]),
-                             scorer=self.wid, t_scored=time.time(), token_advantages=tadv)
-            op = self.op("handoff", e)
-            handoffs.append((e.id, encode(sg), op, [{"ev": "handed_off", "gid": gid,
-                                                     "id": e.id,
-                                                     "version": int(g.min_version)}]))
-        if handoffs:  # the read's hand-offs in one pipelined round trip (module docstring)
-            src = scored[0][0].stream  # one read is one lane's (`Bus.read_lanes`)
-            done = await self.ledger.settle_many(
-                [(op, planned) for *_, op, planned in handoffs],
-                lambda: bus.handoff_many(src, SCORERS_GROUP, bus.lanes.of_stream(src).scored,
-                                         [(i, p, op) for i, p, op, _ in handoffs]))
-            self.counts["scored"] += sum(1 for new_id in done if new_id)
-        self.log_kl()
+            scored.append(Scored(e, g, parts, total, tlp))
+        return scored
+
+    async def settle(self, bus: Bus, s: Scored, adv: np.ndarray) -> Handoff | None:
+        """One scored group, given its group-relative reward advantages ``adv``: counted,
+        written to the ledger, then retired ``filtered`` (no gradient and
+        ``scoring.zero_variance = "filter"``), dead-lettered (the advantages hook
+        failed), or returned as the hand-off to send."""
+        e, g, parts, total = s.entry, s.group, s.parts, s.total
+        self.reward_sum += float(total.sum())
+        self.reward_n += len(total)
+        for j, rf in enumerate(self.rewards):
+            self.part_sums[rf.name] += float(np.nansum(parts[:, j]))
+        flat = is_zero_variance(total)
+        if flat:  # exactly 0, so the trainer can tell it carries no gradient
+            adv = np.zeros_like(adv)
+        # the ledger's adv_sum: the group-relative reward advantages, centred on the group
+        # (audited); not a hook's replacement, nor the teacher's per-token term
+        adv_sum = round(float(np.sum(adv)), 6)
+        try:
+            adv, tadv, flat = await self.final_advantages(s, adv, flat)
+        except ValueError as err:  # the hook's bug: the group's, like a reward's
+            self.counts["reward_errors"] += 1
+            await self.dead(bus, e, f"scoring.advantages: {err}")
+            return None
+        kl = self.teacher_kl(s)
+        gid = g.group_id
+        self.ledger.write("scored", gid, id=e.id, n=len(total), adv_sum=adv_sum, **kl)
+        if flat and self.cfg.scoring.zero_variance == "filter":
+            op = self.op("filtered", e)
+            if await self.ledger.settle(
+                    op, [{"ev": "filtered", "gid": gid, "id": e.id}],
+                    lambda: bus.retire(e.stream, SCORERS_GROUP, [e.id], "filtered", op=op)):
+                self.counts["filtered"] += 1
+            return None
+        sg = ScoredGroup(group=g.for_training(), rewards=total.astype(np.float32),
+                         reward_parts={rf.name: parts[:, j].astype(np.float32)
+                                       for j, rf in enumerate(self.rewards)},
+                         advantages=np.asarray(adv, dtype=np.float32) if tadv is None
+                         else mean_over_mask(tadv, [r.mask for r in g.rollouts]),
+                         scorer=self.wid, t_scored=time.time(), token_advantages=tadv)
+        return Handoff(e.id, encode(sg), self.op("handoff", e),
+                       [{"ev": "handed_off", "gid": gid, "id": e.id,
+                         "version": int(g.min_version)}])
+
+    async def final_advantages(self, s: Scored, adv: np.ndarray, flat: bool
+                               ) -> tuple[np.ndarray, list[np.ndarray] | None, bool]:
+        """What the group trains with: per rollout, per token when a hook or the teacher
+        gives them (None otherwise), and whether it all is zero (``flat``: no gradient;
+        given for the group-relative ``adv``). The ``scoring.advantages`` hook replaces
+        the group-relative advantages; the teacher's term is added per token on top
+        (module docstring). ``ValueError`` when the hook raises or returns garbage."""
+        tadv = None
+        if self.adv_hook is not None:
+            adv, tadv = await hook_advantages(self.adv_hook, s.group, s.total)
+            flat = not adv.any() and (tadv is None or not any(a.any() for a in tadv))
+        if s.teacher_logprobs is not None:
+            masks = [r.mask for r in s.group.rollouts]
+            behaviour = [r.logprobs for r in s.group.rollouts]
+            coef = self.cfg.scoring.teacher_coef
+            if tadv is None:
+                tadv = token_advantages(adv, behaviour, s.teacher_logprobs, masks, coef)
+            else:
+                teacher_term = token_advantages(np.zeros(len(masks)), behaviour,
+                                                s.teacher_logprobs, masks, coef)
+                tadv = [(x + y).astype(np.float32)
+                        for x, y in zip(tadv, teacher_term, strict=True)]
+            flat = not any(a.any() for a in tadv)
+        return adv, tadv, flat
+
+    def teacher_kl(self, s: Scored) -> dict[str, float | int]:
+        """The group's mean per-token reverse KL (behaviour - teacher) for the ledger,
+        added to the scorer's running sums; nothing without a teacher."""
+        if s.teacher_logprobs is None:
+            return {}
+        kl_sum, kl_n = reverse_kl([r.logprobs for r in s.group.rollouts], s.teacher_logprobs,
+                                  [r.mask for r in s.group.rollouts])
+        self.kl_sum += kl_sum
+        self.kl_n += kl_n
+        return {"kl": round(kl_sum / max(kl_n, 1), 6), "kl_n": kl_n}
 
     def total(self, parts: np.ndarray) -> np.ndarray:
         """The weighted total reward of each completion (``[n, F]`` -> ``[n]``); 0 with no
@@ -390,38 +386,6 @@ class Scorer:
                 k.rollouts, keep_ms=int(self.cfg.bus.keep_acked_s * 1000))
             await bus.prune_consumers(k.rollouts, SCORERS_GROUP,
                                       idle_ms=10 * self.cfg.bus.claim_idle_ms)
-
-
-E = TypeVar("E", bound=Exception)
-R = TypeVar("R")
-
-
-async def whole_then_each(groups: list[RolloutGroup],
-                          call: Callable[[list[RolloutGroup]], Awaitable[Sequence[R]]],
-                          error: type[E], what: str) -> list[Sequence[R] | E]:
-    """Per group, its slice of ``call(groups)`` (one item per rollout), or when that call
-    raises ``error``, of ``call([group])`` for each group alone, concurrently (so a
-    timing-out function costs one more timeout, not one per group): the error of a group
-    that fails on its own is returned in its place (module docstring)."""
-    if not groups:
-        return []
-    try:
-        whole = await call(groups)
-    except error as err:
-        if len(groups) == 1:
-            return [err]
-        log.info("%s call over %d groups failed (%s); scoring them one by one", what,
-                 len(groups), err)
-    else:
-        bounds = np.cumsum([0, *(len(g.rollouts) for g in groups)])
-        return [whole[a:b] for a, b in itertools.pairwise(bounds)]
-    results = await asyncio.gather(*(call([g]) for g in groups), return_exceptions=True)
-    out: list[Sequence[R] | E] = []
-    for r in results:
-        if isinstance(r, BaseException) and not isinstance(r, error):
-            raise r
-        out.append(r)  # type: ignore[arg-type]
-    return out
 
 
 def preflight(cfg: Config, task: Task | None, policy_tokenizer: Callable[[], Any]) -> None:

@@ -137,6 +137,23 @@ async def _unacked(bus: Bus, k: Keys, entries: dict[str, list[str]]) -> None:
                         f"{short} {entry_id.decode()} pending on {p['consumer'].decode()}")
 
 
+_Events = dict[str, list[dict[str, Any]]]  # ledger rows by event name
+
+
+@dataclass
+class _Groups:
+    """What the ledgers say became of each group (rule 1), for the later rules."""
+
+    admitted: dict[str, int]  # group id -> cursor, from ``admitted`` or ``takeover``
+    retirements: dict[str, list[str]]  # group id -> "<reason> by <role>/<consumer>" each time
+    unlogged: set[int]  # leased cursors no ledger admitted (its generator was killed)
+
+    @property
+    def lost(self) -> list[str]:
+        """Admitted groups not (yet) retired, in order of admission."""
+        return [g for g in self.admitted if g not in self.retirements]
+
+
 def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
           num_generations: int | None = None, drained: bool = False,
           live: LiveView | None = None,
@@ -150,12 +167,29 @@ def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
     rows = read_ledgers(run_dir) if rows is None else rows
     rep = AuditReport(events=len(rows))
     rows = [*rows, *_resolve_intents(rows, live, rep)]
-    by_ev: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    by_ev: _Events = defaultdict(list)
     for r in rows:
         by_ev[r["ev"]].append(r)
-    bad = rep.violations.append
 
-    # --- 1. admitted -> retired exactly once
+    groups = _check_retired_once(by_ev, live, drained, rep)
+    _check_nothing_twice(by_ev, rep)
+    _check_complete_groups(by_ev, num_generations, rep)
+    if state is not None:
+        _check_gate_counters(by_ev, groups, state, rep)
+    if live is not None:
+        _check_in_flight(groups, live, rep)
+    if by_ev["torn"]:
+        rep.violations.append(
+            f"{len(by_ev['torn'])} torn ledger lines (a process killed mid-write)")
+    return rep
+
+
+def _check_retired_once(by_ev: _Events, live: LiveView | None, drained: bool,
+                        rep: AuditReport) -> _Groups:
+    """Rule 1: every admitted group retires at most once, with one reason (exactly once
+    when ``drained``), and nothing retires that was never admitted. Fills ``rep``'s counts
+    of groups admitted, taken over, retired and in flight."""
+    bad = rep.violations.append
     admitted: dict[str, int] = {}
     for r in by_ev["admitted"] + by_ev["takeover"]:
         admitted.setdefault(r["gid"], r["cursor"])
@@ -176,12 +210,18 @@ def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
             bad(f"group {gid} retired {len(how)} times: {how}")
         if gid not in admitted:
             bad(f"group {gid} retired ({how[0]}) but never admitted")
-    lost = [g for g in admitted if g not in retirements]
+    groups = _Groups(admitted, retirements, unlogged)
+    lost = groups.lost
     rep.in_flight = len(lost)
     if drained and lost:
         bad(f"{len(lost)} admitted groups never retired (lost): {sorted(lost)[:10]}")
+    return groups
 
-    # --- 2. nothing twice; nothing too stale
+
+def _check_nothing_twice(by_ev: _Events, rep: AuditReport) -> None:
+    """Rule 2: no group is appended (``emitted``), handed off or trained twice, and no
+    trained group was older than ``max_staleness`` versions when it was trained."""
+    bad = rep.violations.append
     for ev in ("emitted", "handed_off", "trained"):
         for gid, n in Counter(r["gid"] for r in by_ev[ev]).items():
             if n > 1:
@@ -193,7 +233,13 @@ def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
             bad(f"group {r['gid']} trained at version {r['version']} with a token of version "
                 f"{r['min_version']} (staleness {age} > {r['max_staleness']})")
 
-    # --- 3. advantages over complete groups
+
+def _check_complete_groups(by_ev: _Events, num_generations: int | None,
+                           rep: AuditReport) -> None:
+    """Rule 3: advantages were computed over complete groups: every scored and trained
+    group has ``num_generations`` completions (default: the most common size), and each
+    scored group's reward advantages (``adv_sum``) sum to zero."""
+    bad = rep.violations.append
     sizes = Counter(r["n"] for r in by_ev["scored"] + by_ev["trained"])
     expected = num_generations or (sizes.most_common(1)[0][0] if sizes else None)
     for r in by_ev["scored"] + by_ev["trained"]:
@@ -204,39 +250,45 @@ def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
             bad(f"group {r['gid']}: reward advantages sum to {r['adv_sum']}, not 0 (not "
                 "centred on the group)")
 
-    # --- 4. the gate's counters equal the ledger's counts
-    if state is not None:
-        appended = {r["gid"] for r in by_ev["emitted"]}
-        appended |= {r["gid"] for ev in ("scored", "handed_off", "filtered")
-                     for r in by_ev[ev]}
-        appended |= {r["gid"] for r in by_ev["dead"] if r["role"] == "scorer" and r["gid"]}
-        abandoned = {r["gid"] for r in by_ev["dead"] if r["role"] == "generator"}
-        generating = len(set(admitted) - appended - abandoned)
-        expect = {"cursor": rep.admitted, "retired": sum(rep.retired.values()),
-                  "generating": generating + len(unlogged),
-                  **{f"retired:{k}": rep.retired[k] for k in RETIRE_REASONS}}
-        for k, v in expect.items():
-            if state.get(k, 0) != v:
-                bad(f"Redis state {k} = {state.get(k, 0)} but the ledger counts {v}")
-    # --- 5. every unfinished group is somewhere, once
-    if live is not None:
-        for gid in lost:
-            where = live.entries.get(gid, [])
-            if not where and admitted[gid] not in live.leased:
-                bad(f"group {gid} (cursor {admitted[gid]}) admitted, never retired, and "
-                    "neither leased nor in a stream: lost")
-        for gid, where in live.entries.items():
-            if gid == "?":
-                continue
-            if len(where) > 1:
-                bad(f"group {gid} in flight {len(where)} times: {where}")
-            if gid in retirements:
-                bad(f"group {gid} retired ({retirements[gid][0]}) but still in flight: {where}")
-            if gid not in admitted:
-                bad(f"group {gid} in flight but never admitted: {where}")
-    if by_ev["torn"]:
-        bad(f"{len(by_ev['torn'])} torn ledger lines (a process killed mid-write)")
-    return rep
+
+def _check_gate_counters(by_ev: _Events, groups: _Groups, state: dict[str, int],
+                         rep: AuditReport) -> None:
+    """Rule 4: the gate's counters in Redis ``state`` equal the ledger's counts: ``cursor``
+    = admitted, ``retired`` and ``retired:<reason>`` = retirements (as rule 1 counted them),
+    ``generating`` = admitted and not yet appended or abandoned."""
+    appended = {r["gid"] for r in by_ev["emitted"]}
+    appended |= {r["gid"] for ev in ("scored", "handed_off", "filtered") for r in by_ev[ev]}
+    appended |= {r["gid"] for r in by_ev["dead"] if r["role"] == "scorer" and r["gid"]}
+    abandoned = {r["gid"] for r in by_ev["dead"] if r["role"] == "generator"}
+    generating = len(set(groups.admitted) - appended - abandoned)
+    expect = {"cursor": rep.admitted, "retired": sum(rep.retired.values()),
+              "generating": generating + len(groups.unlogged),
+              **{f"retired:{k}": rep.retired[k] for k in RETIRE_REASONS}}
+    for k, v in expect.items():
+        if state.get(k, 0) != v:
+            rep.violations.append(
+                f"Redis state {k} = {state.get(k, 0)} but the ledger counts {v}")
+
+
+def _check_in_flight(groups: _Groups, live: LiveView, rep: AuditReport) -> None:
+    """Rule 5: every admitted group not yet retired is somewhere in ``live``: leased to a
+    generator, or an unacknowledged entry of ``rollouts`` or ``scored``; and no group is in
+    flight twice, after it retired, or without ever being admitted."""
+    bad = rep.violations.append
+    admitted, retirements = groups.admitted, groups.retirements
+    for gid in groups.lost:
+        if not live.entries.get(gid, []) and admitted[gid] not in live.leased:
+            bad(f"group {gid} (cursor {admitted[gid]}) admitted, never retired, and "
+                "neither leased nor in a stream: lost")
+    for gid, where in live.entries.items():
+        if gid == "?":
+            continue
+        if len(where) > 1:
+            bad(f"group {gid} in flight {len(where)} times: {where}")
+        if gid in retirements:
+            bad(f"group {gid} retired ({retirements[gid][0]}) but still in flight: {where}")
+        if gid not in admitted:
+            bad(f"group {gid} in flight but never admitted: {where}")
 
 
 def _resolve_intents(rows: list[dict[str, Any]], live: LiveView | None,

@@ -9,11 +9,12 @@ This is TRL 1.16 ``GRPOTrainer._compute_loss`` with ``importance_sampling_level=
 * That is multiplied by a truncated/masked importance weight between the policy that
   produced ``old`` and the behaviour policy that sampled the tokens (TRL's
   ``vllm_importance_sampling_correction``; here the sampler is any stale generator), then
-  ``beta * k3`` KL to a reference (``exp(ref - logps) - (ref - logps) - 1``) is added,
-  not importance weighted, as in TRL. With ``kl_bias_correction`` (TRL's
-  ``use_bias_correction_kl``, default True in both) the KL term is multiplied by
-  ``coef_1``: value unchanged on-policy, but its gradient gains ``kl * grad(logps)``,
-  which makes it the unbiased reverse-KL gradient (DeepSeek-V3.2).
+  ``beta * k3`` KL to the frozen reference model ``ref``
+  (``exp(ref - logps) - (ref - logps) - 1``) is added, not importance weighted, as in
+  TRL. With ``kl_bias_correction`` (TRL's ``use_bias_correction_kl``, default True in
+  both) the KL term is multiplied by ``coef_1``: value unchanged on-policy, but its
+  gradient gains ``kl * grad(logps)``, which makes it the unbiased reverse-KL gradient
+  (DeepSeek-V3.2).
 * Normalisation by ``loss_type``: ``grpo`` = mean over rows of (row masked sum / row
   tokens); ``bnpo`` = masked sum / batch tokens; ``dr_grpo`` = masked sum /
   (B * max_completion_length); ``dapo`` (default) = masked sum / ``num_items_in_batch``
@@ -64,7 +65,7 @@ from torch import Tensor
 from pipeline.rl.offpolicy import (
     cispo_per_token,
     geometric_mean_mask,
-    reference_logps,
+    ratio_denominator_logps,
     sequence_log_ratio,
 )
 
@@ -212,6 +213,203 @@ def importance_weights(
         return torch.where(m, w, 0.0)
 
 
+def _check_loss_inputs(
+    logps: Tensor,
+    old_logps: Tensor | None,
+    behaviour_logps: Tensor,
+    advantages: Tensor,
+    cfg: LossConfig,
+    ref_logps: Tensor | None,
+    num_items_in_batch: float | None,
+) -> None:
+    """Raise ValueError unless `grpo_loss`'s inputs have matching shapes and the config
+    has what it needs (``ref_logps`` for ``beta > 0``, a positive ``num_items_in_batch``)."""
+    if logps.dim() != 2:
+        raise ValueError(f"logps must be [B, T], got shape {tuple(logps.shape)}")
+    shape = logps.shape
+    for name, t in (
+        ("old_logps", old_logps),
+        ("behaviour_logps", behaviour_logps),
+        ("ref_logps", ref_logps),
+    ):
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logps shape {tuple(shape)}")
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(f"advantages must be [B]={shape[0]} or [B, T]={tuple(shape)}, got "
+                         f"{tuple(advantages.shape)}")
+    if cfg.beta > 0 and ref_logps is None:
+        raise ValueError("beta > 0 needs ref_logps")
+    if num_items_in_batch is not None and num_items_in_batch <= 0:
+        raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch}")
+
+
+def _masked_detached(t: Tensor, m: Tensor, dt: torch.dtype) -> Tensor:
+    """``t`` detached, cast to ``dt``, and 0 where the bool mask ``m`` is False (so padding
+    values, even inf/NaN, never reach exp() or the gradient). NaN at mask-1 positions stays."""
+    return torch.where(m, t.detach().to(dt), 0.0)
+
+
+def _row_or_token_advantages(advantages: Tensor, m: Tensor, dt: torch.dtype) -> Tensor:
+    """Detached advantages in ``dt``, shaped to broadcast against ``[B, T]``: a row
+    advantage ``[B]`` becomes ``[B, 1]``; a per-token ``[B, T]`` one is 0 where ``m`` is 0."""
+    adv = advantages.detach().to(dt)
+    return adv.unsqueeze(1) if adv.dim() == 1 else torch.where(m, adv, 0.0)
+
+
+def _policy_log_ratio(
+    policy_lp: Tensor, old_lp: Tensor, behaviour_lp: Tensor, m: Tensor, cfg: LossConfig
+) -> Tensor:
+    """Log importance ratio (nats) of the trained policy over the ratio's denominator
+    policy: the proximal policy (``old``) with ``decoupled_ppo``, else the behaviour
+    policy (``old`` where its logprob is NaN). Per token ``[B, T]``; with
+    ``importance_sampling_level = "sequence"`` (GSPO) the mean over each row's masked
+    tokens, ``[B, 1]``. Differentiable in ``policy_lp`` only."""
+    denominator_lp = ratio_denominator_logps(old_lp, behaviour_lp, cfg.decoupled_ppo)
+    log_ratio = policy_lp - denominator_lp
+    if cfg.importance_sampling_level == "sequence":  # GSPO: [B, 1]
+        log_ratio = sequence_log_ratio(log_ratio, m)
+    return log_ratio
+
+
+def _surrogate_per_token(policy_lp: Tensor, ratio: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
+    """Per-token policy-gradient loss before any behaviour correction or KL.
+
+    PPO/GRPO's clipped surrogate ``-min(ratio * A, clamp(ratio, 1 - eps_low,
+    1 + eps_high) * A)``, or with ``loss_type = "cispo"`` CISPO's
+    ``-sg(min(ratio, eps_high)) * A * logps``. ``ratio`` is ``[B, T]`` (token level) or
+    ``[B, 1]`` (GSPO), ``adv`` ``[B, 1]`` or ``[B, T]``; the result has their broadcast
+    shape (``[B, 1]`` for GSPO with row advantages), except CISPO's, which is ``[B, T]``.
+    """
+    if cfg.loss_type == "cispo":
+        return cispo_per_token(policy_lp, ratio, adv, cfg.eps_high)
+    clipped_ratio = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)  # TRL's coef_2
+    return -torch.minimum(ratio * adv, clipped_ratio * adv)
+
+
+def _behaviour_corrected(
+    per_token: Tensor, old_lp: Tensor, behaviour_lp: Tensor, m: Tensor, cfg: LossConfig
+) -> Tensor:
+    """``per_token`` times the corrections for the policy that sampled the tokens: with
+    ``decoupled_ppo`` the ``is_mode`` importance weight ``pi_old / pi_behaviour`` (without
+    it the ratio is already taken against the sampler), then the ``geo_mask`` sequence
+    mask when set. Both are detached and 0 at mask-0 positions."""
+    if cfg.decoupled_ppo:
+        per_token = per_token * importance_weights(
+            old_lp, behaviour_lp, m, cfg.is_mode, cfg.is_clip_min, cfg.is_clip_max
+        )
+    if cfg.geo_mask is not None:
+        per_token = per_token * geometric_mean_mask(old_lp, behaviour_lp, m, *cfg.geo_mask)
+    return per_token
+
+
+def _k3_kl_per_token(policy_lp: Tensor, ref_lp: Tensor) -> Tensor:
+    """Schulman's k3 estimate of KL(pi_theta || pi_ref) per token (nats, >= 0), with
+    ``ref_lp`` the frozen KL reference model's logprobs:
+    ``exp(ref - logps) - (ref - logps) - 1``. Differentiable in ``policy_lp``."""
+    delta = ref_lp - policy_lp
+    return torch.exp(delta) - delta - 1.0
+
+
+def _kl_penalty_per_token(per_token_kl: Tensor, ratio: Tensor, cfg: LossConfig) -> Tensor:
+    """The KL term added to the per-token loss: ``beta * k3``, with ``kl_bias_correction``
+    ``beta * k3 * ratio`` (same value on-policy; unbiased reverse-KL gradient)."""
+    kl_term = per_token_kl * ratio if cfg.kl_bias_correction else per_token_kl
+    return cfg.beta * kl_term
+
+
+def _normalised_loss(
+    per_token: Tensor,
+    mf: Tensor,
+    batch_tokens: Tensor,
+    cfg: LossConfig,
+    num_items_in_batch: float | None,
+    norm: LossNorm | None,
+) -> Tensor:
+    """Scalar loss: ``per_token`` summed over mask-1 tokens (``mf``, the float mask
+    ``[B, T]``) and normalised by ``loss_type``. ``grpo``: sum over rows of (row sum / row
+    tokens) / step rows; ``bnpo``: sum / step tokens; ``dr_grpo``: sum / (step rows *
+    ``max_completion_length``); ``dapo`` and ``cispo``: sum / ``num_items_in_batch``, else
+    step tokens. Step tokens and rows come from ``norm``, else this batch
+    (``batch_tokens``, its masked token count clamped to >= 1, and B)."""
+    masked = per_token * mf
+    step_tokens = batch_tokens if norm is None else max(norm.tokens, 1.0)
+    step_rows = mf.shape[0] if norm is None else norm.rows
+    if cfg.loss_type == "grpo":
+        return (masked.sum(dim=-1) / mf.sum(dim=-1).clamp(min=1.0)).sum() / step_rows
+    if cfg.loss_type == "bnpo":
+        return masked.sum() / step_tokens
+    if cfg.loss_type == "dr_grpo":
+        assert cfg.max_completion_length is not None
+        return masked.sum() / (step_rows * cfg.max_completion_length)
+    # dapo, cispo
+    return masked.sum() / (step_tokens if num_items_in_batch is None else num_items_in_batch)
+
+
+def _masked_mean(x: Tensor, mf: Tensor, batch_tokens: Tensor) -> float:
+    """Mean of ``x`` over mask-1 tokens, ``sum(x * mf) / batch_tokens``, without gradient."""
+    with torch.no_grad():
+        return float((x.to(mf.dtype) * mf).sum() / batch_tokens)
+
+
+def _clip_fractions(
+    ratio: Tensor,
+    adv: Tensor,
+    m: Tensor,
+    mf: Tensor,
+    batch_tokens: Tensor,
+    cfg: LossConfig,
+) -> dict[str, float]:
+    """``clip_ratio/{low,high,region}_mean``: the fraction of masked tokens (GSPO: of rows
+    with a masked token, TRL's convention; 0.0 when none) whose ratio was clipped in the
+    direction that zeroes its gradient: below ``1 - eps_low`` with A < 0, above
+    ``1 + eps_high`` with A > 0. CISPO (TRL's ``cispo_clip_ratio``): ratio above the cap
+    ``eps_high`` with A > 0, and ``low`` is always 0. Without gradient."""
+    with torch.no_grad():
+        if ratio.shape[-1] == 1 and adv.shape[-1] > 1:  # GSPO with per-token advantages:
+            adv = (adv * mf).sum(-1, keepdim=True)  # a row's sign is its advantages' sum's
+        if cfg.loss_type == "cispo":
+            high = (ratio > cfg.eps_high) & (adv > 0)
+            low = torch.zeros_like(high)
+        else:
+            low = (ratio < 1.0 - cfg.eps_low) & (adv < 0)
+            high = (ratio > 1.0 + cfg.eps_high) & (adv > 0)
+        if ratio.shape[-1] == 1:  # GSPO: fractions of sequences
+            rows = m.any(dim=-1)
+
+            def fraction(x: Tensor) -> float:
+                return float(x.squeeze(-1)[rows].to(mf.dtype).mean()) if rows.any() else 0.0
+        else:
+
+            def fraction(x: Tensor) -> float:
+                return _masked_mean(x, mf, batch_tokens)
+
+        return {
+            "clip_ratio/low_mean": fraction(low),
+            "clip_ratio/high_mean": fraction(high),
+            "clip_ratio/region_mean": fraction(low | high),
+        }
+
+
+def _behaviour_ratio_stats(
+    old_lp: Tensor, behaviour_lp: Tensor, m: Tensor, mf: Tensor, batch_tokens: Tensor
+) -> dict[str, float]:
+    """``is_ratio/{min,mean,max}`` of the raw token ratios ``exp(old - behaviour)`` over
+    masked tokens with a known behaviour logprob (NaN when there are none), and
+    ``logprob_diff/mean_abs``: mean ``|old - behaviour|`` (nats) over masked tokens, an
+    unknown behaviour logprob counting 0. Without gradient."""
+    with torch.no_grad():
+        raw = torch.exp(old_lp - behaviour_lp)[m]
+        raw = raw[~torch.isnan(raw)]
+        empty = raw.numel() == 0
+        abs_diff = torch.nan_to_num((old_lp - behaviour_lp).abs(), nan=0.0)
+        return {
+            "is_ratio/min": math.nan if empty else float(raw.min()),
+            "is_ratio/mean": math.nan if empty else float(raw.mean()),
+            "is_ratio/max": math.nan if empty else float(raw.max()),
+            "logprob_diff/mean_abs": _masked_mean(abs_diff, mf, batch_tokens),
+        }
+
+
 def grpo_loss(
     logps: Tensor,
     old_logps: Tensor | None,
@@ -233,105 +431,34 @@ def grpo_loss(
     ``exp(old - behaviour)``; NaN when no token is masked in), ``logprob_diff/mean_abs``
     and ``kl`` (0.0 when beta is 0), all over masked tokens.
     """
-    if logps.dim() != 2:
-        raise ValueError(f"logps must be [B, T], got shape {tuple(logps.shape)}")
-    shape = logps.shape
-    for name, t in (
-        ("old_logps", old_logps),
-        ("behaviour_logps", behaviour_logps),
-        ("ref_logps", ref_logps),
-    ):
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{name} shape {tuple(t.shape)} != logps shape {tuple(shape)}")
-    if advantages.shape not in (shape[:1], shape):
-        raise ValueError(f"advantages must be [B]={shape[0]} or [B, T]={tuple(shape)}, got "
-                         f"{tuple(advantages.shape)}")
-    if cfg.beta > 0 and ref_logps is None:
-        raise ValueError("beta > 0 needs ref_logps")
-    if num_items_in_batch is not None and num_items_in_batch <= 0:
-        raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch}")
-
+    _check_loss_inputs(
+        logps, old_logps, behaviour_logps, advantages, cfg, ref_logps, num_items_in_batch
+    )
     dt = _compute_dtype(logps)
-    m = _bool_mask(mask, shape)
+    m = _bool_mask(mask, logps.shape)
     mf = m.to(dt)
-    # Zero masked positions first: padding values never reach exp() or the gradient.
-    lp = torch.where(m, logps.to(dt), 0.0)
-    old = lp.detach() if old_logps is None else torch.where(m, old_logps.detach().to(dt), 0.0)
-    beh = torch.where(m, behaviour_logps.detach().to(dt), 0.0)  # may hold NaN (unknown)
-    adv = advantages.detach().to(dt)
-    adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(m, adv, 0.0)  # [B, 1] | [B, T]
+    # Log-probabilities (nats) in dt, 0 at masked positions: padding never reaches exp().
+    policy_lp = torch.where(m, logps.to(dt), 0.0)
+    old_lp = policy_lp.detach() if old_logps is None else _masked_detached(old_logps, m, dt)
+    behaviour_lp = _masked_detached(behaviour_logps, m, dt)  # may hold NaN (unknown)
+    adv = _row_or_token_advantages(advantages, m, dt)  # [B, 1] | [B, T]
 
-    log_ratio = lp - reference_logps(old, beh, cfg.decoupled_ppo)
-    if cfg.importance_sampling_level == "sequence":  # GSPO: [B, 1]
-        log_ratio = sequence_log_ratio(log_ratio, m)
-    coef_1 = torch.exp(log_ratio)
-    coef_2 = torch.clamp(coef_1, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    if cfg.loss_type == "cispo":
-        per_token = cispo_per_token(lp, coef_1, adv, cfg.eps_high)
-    else:
-        per_token = -torch.minimum(coef_1 * adv, coef_2 * adv)
-    if cfg.decoupled_ppo:  # else the ratio itself already corrects for the sampler
-        per_token = per_token * importance_weights(
-            old, beh, m, cfg.is_mode, cfg.is_clip_min, cfg.is_clip_max
-        )
-    if cfg.geo_mask is not None:
-        per_token = per_token * geometric_mean_mask(old, beh, m, *cfg.geo_mask)
+    ratio = torch.exp(_policy_log_ratio(policy_lp, old_lp, behaviour_lp, m, cfg))  # coef_1
+    per_token = _surrogate_per_token(policy_lp, ratio, adv, cfg)
+    per_token = _behaviour_corrected(per_token, old_lp, behaviour_lp, m, cfg)
     per_token_kl = None
     if cfg.beta > 0:
         assert ref_logps is not None
-        ref = torch.where(m, ref_logps.detach().to(dt), 0.0)
-        delta = ref - lp
-        per_token_kl = torch.exp(delta) - delta - 1.0
-        kl_term = per_token_kl * coef_1 if cfg.kl_bias_correction else per_token_kl
-        per_token = per_token + cfg.beta * kl_term
+        per_token_kl = _k3_kl_per_token(policy_lp, _masked_detached(ref_logps, m, dt))
+        per_token = per_token + _kl_penalty_per_token(per_token_kl, ratio, cfg)
 
-    masked = per_token * mf
-    n_tokens = mf.sum().clamp(min=1.0)
-    step_tokens = n_tokens if norm is None else max(norm.tokens, 1.0)
-    step_rows = shape[0] if norm is None else norm.rows
-    if cfg.loss_type == "grpo":
-        loss = (masked.sum(dim=-1) / mf.sum(dim=-1).clamp(min=1.0)).sum() / step_rows
-    elif cfg.loss_type == "bnpo":
-        loss = masked.sum() / step_tokens
-    elif cfg.loss_type == "dr_grpo":
-        assert cfg.max_completion_length is not None
-        loss = masked.sum() / (step_rows * cfg.max_completion_length)
-    else:  # dapo, cispo
-        loss = masked.sum() / (step_tokens if num_items_in_batch is None else num_items_in_batch)
-
-    with torch.no_grad():
-
-        def mmean(x: Tensor) -> float:
-            return float((x.to(dt) * mf).sum() / n_tokens)
-
-        if coef_1.shape[-1] == 1 and adv.shape[-1] > 1:  # GSPO with per-token advantages:
-            adv = (adv * mf).sum(-1, keepdim=True)  # a row's sign is its advantages' sum's
-        if cfg.loss_type == "cispo":  # TRL's cispo_clip_ratio: capped weights with A > 0
-            high = (coef_1 > cfg.eps_high) & (adv > 0)
-            low = torch.zeros_like(high)
-        else:
-            low = (coef_1 < 1.0 - cfg.eps_low) & (adv < 0)
-            high = (coef_1 > 1.0 + cfg.eps_high) & (adv > 0)
-        if coef_1.shape[-1] == 1:  # GSPO: fractions of sequences (TRL's convention)
-            rows = m.any(dim=-1)
-
-            def cmean(x: Tensor) -> float:
-                return float(x.squeeze(-1)[rows].to(dt).mean()) if rows.any() else 0.0
-        else:
-            cmean = mmean
-        raw = torch.exp(old - beh)[m]
-        raw = raw[~torch.isnan(raw)]
-        empty = raw.numel() == 0
-        metrics = {
-            "clip_ratio/low_mean": cmean(low),
-            "clip_ratio/high_mean": cmean(high),
-            "clip_ratio/region_mean": cmean(low | high),
-            "is_ratio/min": math.nan if empty else float(raw.min()),
-            "is_ratio/mean": math.nan if empty else float(raw.mean()),
-            "is_ratio/max": math.nan if empty else float(raw.max()),
-            "logprob_diff/mean_abs": mmean(torch.nan_to_num((old - beh).abs(), nan=0.0)),
-            "kl": 0.0 if per_token_kl is None else mmean(per_token_kl),
-        }
+    batch_tokens = mf.sum().clamp(min=1.0)
+    loss = _normalised_loss(per_token, mf, batch_tokens, cfg, num_items_in_batch, norm)
+    metrics = {
+        **_clip_fractions(ratio, adv, m, mf, batch_tokens, cfg),
+        **_behaviour_ratio_stats(old_lp, behaviour_lp, m, mf, batch_tokens),
+        "kl": 0.0 if per_token_kl is None else _masked_mean(per_token_kl, mf, batch_tokens),
+    }
     return loss, metrics
 
 

@@ -13,10 +13,11 @@ The corrections here, each selected in ``TrainerConfig`` and named after its sou
 * **Decoupled PPO** (AReaL, Fu et al. 2025, "AReaL: A Large-Scale Asynchronous
   Reinforcement Learning System", eq. 5): the clipped ratio is ``π_θ / π_old`` (a trust
   region around the proximal policy) and the behaviour correction is a separate
-  importance weight ``π_old / π_behaviour`` (``importance_weights`` in ``loss.py``, by
+  importance weight ``π_old / π_behaviour`` (``importance_weights`` in ``losses.py``, by
   ``is_mode``). This is sluice's default (``decoupled_ppo = true``). With
   ``decoupled_ppo = false`` the ratio is taken against the behaviour policy itself
-  (``reference_logps``): the standard PPO objective that treats the sampler as "old",
+  (``ratio_denominator_logps``): the standard PPO objective that treats the sampler as
+  "old",
   whose clip bounds how far a stale batch can move the policy from its sampler.
 * **Token masking of extreme ratios** (IcePop, Ling Team 2025, "Small Leak Can Sink a
   Great Ship"): ``is_mode = "token_mask"`` with ``is_clip_min``/``is_clip_max`` (e.g.
@@ -27,7 +28,7 @@ The corrections here, each selected in ``TrainerConfig`` and named after its sou
   product ratio it does not grow with length.
 * **GSPO** (Zheng et al. 2025, "Group Sequence Policy Optimization";
   ``importance_sampling_level = "sequence"``, TRL's name): one ratio per sequence,
-  ``exp(mean_t(logps - reference))`` (:func:`sequence_log_ratio`), clipped as a whole.
+  ``exp(mean_t(logps - denominator))`` (:func:`sequence_log_ratio`), clipped as a whole.
 * **CISPO** (MiniMax-M1, 2025; ``loss_type = "cispo"``, TRL's name):
   :func:`cispo_per_token` clips the importance ratio itself, detached, at ``ε_max`` and
   multiplies the REINFORCE term ``A · log π_θ``: every token keeps a gradient (PPO's clip
@@ -43,10 +44,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["cispo_per_token", "geometric_mean_mask", "reference_logps", "sequence_log_ratio"]
+__all__ = ["cispo_per_token", "geometric_mean_mask", "ratio_denominator_logps",
+           "sequence_log_ratio"]
 
 
-def reference_logps(old: Tensor, behaviour: Tensor, decoupled: bool) -> Tensor:
+def ratio_denominator_logps(old: Tensor, behaviour: Tensor, decoupled: bool) -> Tensor:
     """The log-probabilities the policy ratio is taken against: the proximal policy
     (``old``) when decoupled, else the behaviour policy (``old`` where it is NaN)."""
     if decoupled:

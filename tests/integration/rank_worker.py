@@ -29,7 +29,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tr = Trainer(cfg)
     sgd = torch.optim.SGD([p for p in tr.model.parameters() if p.requires_grad], lr=0.05)
-    tr.optimizer = tr.s.optimizer = sgd
+    tr.optimizer = tr.setup.optimizer = sgd
     gps = cfg.trainer.groups_per_step
     groups = scored_groups(3 * gps, cfg.generation.num_generations, vocab_size=76,
                            prompt_tokens=(3, 10), completion_tokens=(1, 8), seed=11)

@@ -375,7 +375,7 @@ def test_trainer_accounts_for_every_fuzzed_scored_entry(
         run = f"fz{seed:x}{time.monotonic_ns() % 10**6}"
         # few group ids: duplicates within a step and of groups trained steps before
         entries = make_batch(seed, BATCH, _scored, gids=300)
-        tr.counts = dict.fromkeys(tr.counts, 0)
+        tr.reader.counts = dict.fromkeys(tr.reader.counts, 0)
         tr.reader.trained.clear()
         tr.state.version = 5  # max_staleness 1: tokens of versions < 4 are stale
 

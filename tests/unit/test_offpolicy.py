@@ -16,7 +16,7 @@ from pipeline.rl.losses import LossConfig, grpo_loss, importance_weights
 from pipeline.rl.offpolicy import (
     cispo_per_token,
     geometric_mean_mask,
-    reference_logps,
+    ratio_denominator_logps,
     sequence_log_ratio,
 )
 from tests.unit.test_loss import close, t
@@ -70,8 +70,8 @@ def test_cispo_clips_the_weight_and_keeps_every_gradient() -> None:
 
 def test_reference_is_proximal_or_behaviour_with_nan_fallback() -> None:
     old, b = t([[1.0, 2.0]]), t([[0.5, math.nan]])
-    close(reference_logps(old, b, decoupled=True), [[1.0, 2.0]])
-    close(reference_logps(old, b, decoupled=False), [[0.5, 2.0]])
+    close(ratio_denominator_logps(old, b, decoupled=True), [[1.0, 2.0]])
+    close(ratio_denominator_logps(old, b, decoupled=False), [[0.5, 2.0]])
 
 
 def test_icepop_is_token_mask_with_a_band() -> None:

@@ -360,6 +360,6 @@ class TransformersEngine:
         return out
 
     async def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[Completion]:
-        """One argmax continuation per prompt (evaluation / reference decoding)."""
+        """One argmax continuation per prompt (evaluation, and greedy checks in the tests)."""
         res = await self.generate(prompts, 1, SamplingParams(max_new_tokens, greedy=True))
         return [g[0] for g in res]

@@ -4,7 +4,7 @@
   writing an expression (``123+45``); the environment answers ``=168`` as a ``tool``
   turn; a turn that is a plain number is the final answer and ends the episode. Reward
   parts: ``answer``, the position-wise character match of the final answer with the
-  reference (1.0 exactly when it is right: `workers.tasks.rewards.match_reward`'s rule); and
+  expected one (1.0 exactly when it is right: `workers.tasks.rewards.match_reward`'s rule); and
   shaping for a model that starts from random weights: ``call`` (0.2, once, for a call
   whose result is the answer) and ``format`` (up to 0.1 for a first turn made of digits
   and operators).

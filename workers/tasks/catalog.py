@@ -3,7 +3,7 @@
 A *prompt* is a plain dict that travels on the wire (msgpack) and reaches the reward
 functions as keyword columns: ``{"text": str | messages, "answer": str, ...}``.
 ``text`` is what the model sees (a string, or a TRL-style conversation rendered with the
-chat template: ``workers.tasks.prompts``); ``answer`` is the reference sluice's built-in
+chat template: ``workers.tasks.prompts``); ``answer`` is the expected answer sluice's built-in
 rewards compare to; other keys are dataset columns under their own names.
 
 Built-in procedural tasks (no download, rewards are verifiable):

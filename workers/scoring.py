@@ -1,0 +1,110 @@
+"""What a scorer computes for one read, apart from the role's bookkeeping: the rewards
+and the teacher's logprobs of every group, the whole read at once and, when that call
+fails, group by group (`whole_then_each`), and the ``scoring.advantages`` hook's call.
+`workers.scorer` settles the results."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from pipeline.bus.schema import RolloutGroup
+from pipeline.rl.advantages import check_hook_advantages
+from workers.tasks.rewards import RewardError, RewardFn, episode_inputs, reward_matrix
+from workers.teacher import Teacher, TeacherError
+
+log = logging.getLogger("sluice.scorer")
+
+
+async def rewards_of(rewards: list[RewardFn], groups: list[RolloutGroup], timeout_s: float
+                     ) -> list[np.ndarray | RewardError]:
+    """Per group, its [n, F] reward matrix (NaN where a function returned None) or
+    the error of its own call. One call over all groups first; on failure, one call
+    per group (`whole_then_each`)."""
+    async def call(gs: list[RolloutGroup]) -> np.ndarray:
+        prompts = [g.prompt for g in gs for _ in g.rollouts]
+        rollouts = [r for g in gs for r in g.rollouts]
+        comps, extra = episode_inputs(prompts, rollouts)
+        return await reward_matrix(
+            rewards, prompts, comps, [r.completion_ids.tolist() for r in rollouts],
+            [r.finish_reason for r in rollouts], timeout_s=timeout_s, extra=extra)
+
+    return await whole_then_each(groups, call, RewardError, "reward")  # type: ignore[return-value]
+
+
+async def teacher_of(teacher: Teacher | None, groups: list[RolloutGroup]
+                     ) -> list[list[np.ndarray] | TeacherError | None]:
+    """Per group, the teacher's logprobs of each rollout's tokens, or the error of its
+    own call; None per group without a teacher. One call over all groups first."""
+    if teacher is None:
+        return [None] * len(groups)
+
+    async def call(gs: list[RolloutGroup]) -> list[np.ndarray]:
+        rollouts = [r for g in gs for r in g.rollouts]
+        out = await teacher.logprobs([(g.prompt_ids, r.completion_ids, r.mask)
+                                      for g in gs for r in g.rollouts])
+        if len(out) != len(rollouts):
+            raise TeacherError(f"{len(out)} teacher answers for {len(rollouts)} rollouts")
+        for r, lp in zip(rollouts, out, strict=True):
+            if len(lp) != len(r.mask) or not np.isfinite(lp[r.mask > 0]).all():
+                raise TeacherError(f"{len(lp)} teacher logprobs for {len(r.mask)} "
+                                   "tokens, or one not finite")
+        return out
+
+    return await whole_then_each(groups, call, TeacherError, "teacher")  # type: ignore[return-value]
+
+
+async def hook_advantages(hook: Callable[..., Any], g: RolloutGroup, total: np.ndarray
+                          ) -> tuple[np.ndarray, list[np.ndarray] | None]:
+    """The ``scoring.advantages`` hook's advantages of group ``g`` (checked by
+    `pipeline.rl.advantages.check_hook_advantages`); ``ValueError`` when it raises or
+    returns something else."""
+    columns = {k: v for k, v in g.prompt.items() if k != "text"}
+    kwargs = {**columns, "rewards": [float(x) for x in total],
+              "completion_ids": [r.completion_ids.tolist() for r in g.rollouts],
+              "mask": [r.mask.tolist() for r in g.rollouts], "prompt": g.prompt}
+    try:
+        out = hook(**kwargs)
+        if asyncio.iscoroutine(out):
+            out = await out
+    except Exception as err:
+        raise ValueError(f"raised {err!r}") from err
+    return check_hook_advantages(out, [len(r.completion_ids) for r in g.rollouts],
+                                 "scoring.advantages")
+
+
+E = TypeVar("E", bound=Exception)
+R = TypeVar("R")
+
+
+async def whole_then_each(groups: list[RolloutGroup],
+                          call: Callable[[list[RolloutGroup]], Awaitable[Sequence[R]]],
+                          error: type[E], what: str) -> list[Sequence[R] | E]:
+    """Per group, its slice of ``call(groups)`` (one item per rollout), or when that call
+    raises ``error``, of ``call([group])`` for each group alone, concurrently (so a
+    timing-out function costs one more timeout, not one per group): the error of a group
+    that fails on its own is returned in its place (module docstring)."""
+    if not groups:
+        return []
+    try:
+        whole = await call(groups)
+    except error as err:
+        if len(groups) == 1:
+            return [err]
+        log.info("%s call over %d groups failed (%s); scoring them one by one", what,
+                 len(groups), err)
+    else:
+        bounds = np.cumsum([0, *(len(g.rollouts) for g in groups)])
+        return [whole[a:b] for a, b in itertools.pairwise(bounds)]
+    results = await asyncio.gather(*(call([g]) for g in groups), return_exceptions=True)
+    out: list[Sequence[R] | E] = []
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, error):
+            raise r
+        out.append(r)  # type: ignore[arg-type]
+    return out
