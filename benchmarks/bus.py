@@ -35,7 +35,7 @@ median of ``--step-repeats`` steps after a warm-up step, per group. Sizes whose
 samples are longer than ``--step-max-tokens`` are not timed (the tiny model does not
 train such sequences; the step would dominate the run).
 
-Targets (issue 14): sluice >= 2x the mp.Queue groups/s at 2 KB and 48 KB; bus CPU per
+Targets: sluice >= 2x the mp.Queue groups/s at 2 KB and 48 KB; bus CPU per
 group <= 2% of the tiny model's trainer step per group. P = 3 partitions on a 3-master
 cluster needs ``bus.partitions``, which does not exist yet: the run says so.
 The machine may be shared: ratios measured in one run are the result.

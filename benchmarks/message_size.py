@@ -2,10 +2,10 @@
 
     .venv/bin/python -m benchmarks.message_size
 
-Before issue 14 a scorer re-encoded the whole rollout group on ``scored`` (prompt dict,
+Before schema 2 a scorer re-encoded the whole rollout group on ``scored`` (prompt dict,
 texts, finish reasons, generator metadata) plus its own fields; now a `scored` entry
 carries a `TrainGroup` (ids, logprobs, versions, mask, candidate sets when recorded,
-clipped flags) plus rewards and advantages (DESIGN §3). "before" is computed exactly as
+clipped flags) plus rewards and advantages (docs/wire-format.md). "before" is computed exactly as
 the old codec did it: the rollout encoding of the same group, re-typed ``scored``, plus
 the scorer's fields; "after" is `pipeline.bus.codec.encode` of today's `ScoredGroup`.
 

@@ -23,7 +23,7 @@ hands a read's groups on together after rewarding all of them, so with 8 per rea
 count would move in steps of 8 x 40 ms of CPU, too coarse for a 1.8x target in a
 15-second window.
 
-Target (issue 14): 1 -> 2 scorers >= 1.8x on a 2-core machine; 4 scorers are reported
+Target: 1 -> 2 scorers >= 1.8x on a 2-core machine; 4 scorers are reported
 as measured (on 2 cores they cannot exceed 2x).
 """
 

@@ -72,7 +72,7 @@ class BusConfig(_Section):
     cluster: bool = False
     """redis_url names one node of a Redis Cluster: the client discovers the others and
     routes each key to its master (redis-py's RedisCluster). Every key of a lane shares
-    one hash tag, so each Lua script and MULTI touches one slot (DESIGN §2)."""
+    one hash tag, so each Lua script and MULTI touches one slot (docs/design.md §3)."""
     partitions: int = Field(1, ge=1, le=64)
     """Lanes of the bus: rollouts, scored, dlq, admission counters and leases split into
     this many self-contained partitions, each under its own hash tag, so a Redis Cluster

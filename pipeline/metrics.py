@@ -1,4 +1,4 @@
-"""Prometheus ``/metrics`` of a role process (DESIGN §12): one registry, one HTTP server.
+"""Prometheus ``/metrics`` of a role process (docs/design.md §11): one registry, one HTTP server.
 
 Each role process owns one `RoleMetrics`: its own `CollectorRegistry` (not the global one,
 so tests that run several roles in one process never collide), served by
@@ -9,7 +9,7 @@ gets its own free port (``up.metrics``) and publishes its URL in its heartbeat, 
 `sluice status` lists them. Roles bind first thing in their constructor, before loading a
 model; the trainer once it knows its rank (only rank 0 of a torchrun job serves).
 
-Names are ``sluice_<stage>_<what>`` (`SPECS`), the stage as in DESIGN §12: ``rollout_``
+Names are ``sluice_<stage>_<what>`` (`SPECS`), the stage as in docs/design.md §11: ``rollout_``
 (generators; the evaluator's engine version too), ``sample_`` (scorers), ``batch_``
 (trainer), ``eval_`` (evaluator), ``perf_`` (durations), ``bus_`` (streams, consumer
 groups, the gate, leases, the Redis connection). Every series carries ``role`` and

@@ -10,7 +10,7 @@ Every stream operation of sluice goes through `Bus`. Delivery rules enforced her
   entry, and ``cursor == retired + in_flight`` holds.
 - The scorer hand-off is atomic and conditional (`Bus.handoff`): ``XACK`` on the input,
   and ``XADD`` to the output only if that ack removed a pending entry. This is the
-  ``MULTI {XADD; XACK}`` of DESIGN.md written as a script, so that a scorer whose entry
+  ``MULTI {XADD; XACK}`` hand-off written as a script, so that a scorer whose entry
   was reclaimed meanwhile cannot emit the group a second time.
 - Admission leases: each admitted cursor is leased to its generator (``leases`` hash,
   ``owner|deadline_ms``); appending or abandoning the group requires the lease and

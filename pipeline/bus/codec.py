@@ -12,7 +12,7 @@ Invariants:
 - ``decode(encode(m)) == m`` for every valid message.
 - A ``scored`` message carries a `TrainGroup` (gid, prompt ids, per completion the token
   arrays and candidate sets, ``clip`` flags), never the prompt dict or the texts
-  (DESIGN §3: the trainer reads none of it). docs/wire-format.md lists every field.
+  (docs/design.md §5: the trainer reads none of it). docs/wire-format.md lists every field.
 A stream entry holds one field, ``m``, with the encoded message.
 """
 

@@ -10,7 +10,7 @@ exist. With P = 1 the global cursor is the local one.
 
 The admission window W is shared out: lane ``i`` admits while its in-flight count is below
 ``W // P`` (+1 for the first ``W % P`` lanes), so the lanes together never hold more than W
-groups, the bound that keeps Redis memory and staleness in check (DESIGN §4).
+groups, the bound that keeps Redis memory and staleness in check (docs/design.md §4).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Typed messages that cross process boundaries (see DESIGN.md §3).
+"""Typed messages that cross process boundaries (docs/wire-format.md).
 
 These are plain dataclasses; `pipeline.bus.codec` is the only place that turns them into
 bytes and back, validating everything on the way in. Arrays are numpy with fixed dtypes:
@@ -14,8 +14,8 @@ import numpy as np
 
 SCHEMA_VERSION = 3
 """Wire format version, carried by every message. 2: a `scored` entry carries a `TrainGroup`
-(only what the trainer reads), no longer the whole rollout group (issue 14). 3: multi-turn
-rollouts (a rollout's ``messages`` and ``env_reward``) and per-token advantages (issue 15);
+(only what the trainer reads), no longer the whole rollout group. 3: multi-turn
+rollouts (a rollout's ``messages`` and ``env_reward``) and per-token advantages;
 a reader of 2 would silently train per-token advantages as none, hence the bump."""
 
 PromptValue = Any
@@ -140,7 +140,7 @@ class TrainGroup:
 
 @dataclass
 class ScoredGroup:
-    """What the trainer needs of one scored group (DESIGN §3): the `TrainGroup`, rewards
+    """What the trainer needs of one scored group (docs/design.md §5): the `TrainGroup`, rewards
     and advantages; one row per rollout. Build it with ``RolloutGroup.for_training()``.
     ``token_advantages``, when set, gives every rollout one advantage per token (same
     length as its ids; the trainer reads them at mask-1 tokens only) and replaces

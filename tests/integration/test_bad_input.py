@@ -1,6 +1,6 @@
 """Bad input on the real bus: every kind is dead-lettered with its reason, never blocks.
 
-DESIGN.md §3 and §5: decoding validates types, lengths and ranges; whatever fails goes
+docs/design.md §6 and docs/wire-format.md: decoding validates types, lengths and ranges; whatever fails goes
 to ``dlq`` with the reason and is acknowledged, so it can neither block a consumer nor
 come back; when it was an admitted group (its ``gid`` can be read) it retires ``dead``,
 so ``cursor == retired + in_flight`` still holds. Each case below puts one bad entry

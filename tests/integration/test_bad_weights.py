@@ -1,6 +1,6 @@
 """Bad weight announcements reach a real generator: it keeps serving what it has.
 
-DESIGN.md §5: generators apply only strictly newer versions and refuse weights whose
+docs/design.md §7: generators apply only strictly newer versions and refuse weights whose
 sha256 does not match; the weight store refuses URIs outside its root. Here a real
 `Generator` with the tiny model's in-process engine meets duplicate, reordered and
 corrupt announcements (a wrong but well-formed sha256, missing files, a URI outside the

@@ -1,6 +1,6 @@
 """A generator decodes an admitted batch on the version announced when it was admitted.
 
-Issue 14: the ADMIT script returns ``state.version`` with the cursors, and the generator
+The ADMIT script returns ``state.version`` with the cursors, and the generator
 applies any newer announced version (`Generator.apply`, the watcher's path) before it
 decodes the batch. Here the control watcher does not run at all, so the admission reply
 is the only way the generator learns of a version: a real `Generator` (the tiny model's

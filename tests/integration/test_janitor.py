@@ -1,6 +1,6 @@
 """The janitor (`Bus.trim_acked`) against a real redis-server.
 
-Invariant (DESIGN.md section 2): it removes only entries that EVERY consumer group of the
+Invariant (docs/design.md §4): it removes only entries that EVERY consumer group of the
 stream has acknowledged, never a pending or undelivered one, and keeps the acknowledged
 tail of the last ``keep_ms`` for `sluice tail`. It trims by id only: with 1 MB groups the
 server's SLOWLOG shows nothing of it, where the old script (which read the newest 1,000

@@ -232,7 +232,7 @@ def test_decode_of_encode_equals_original_field_by_field(kind: str) -> None:
 
 def test_scored_carries_only_what_the_trainer_reads() -> None:
     """No prompt dict, texts, finish-reason strings or generator metadata on ``scored``
-    (DESIGN §3); clipping travels as a flag per completion, candidate sets stay."""
+    (docs/wire-format.md); clipping travels as a flag per completion, candidate sets stay."""
     g = make_group()
     g.rollouts[0].candidate_ids = np.asarray([10, 11, 12], dtype=np.int32)
     g.rollouts[0].candidate_counts = np.asarray([1, 2, 0, 0], dtype=np.int32)

@@ -1,4 +1,4 @@
-"""`sluice tail` lines: a `scored` entry carries no text (DESIGN §3), so its line shows
+"""`sluice tail` lines: a `scored` entry carries no text (docs/wire-format.md), so its line shows
 versions, lengths, the clipped count, rewards and advantages; `rollouts` shows the text."""
 
 from __future__ import annotations

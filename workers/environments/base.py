@@ -1,4 +1,4 @@
-"""The episode contract: what a multi-turn environment implements (DESIGN §7).
+"""The episode contract: what a multi-turn environment implements (docs/design.md §10).
 
 An environment is named by import path in the config (``environment.name =
 "package.module:Factory"``, like reward functions) and built once per episode as
