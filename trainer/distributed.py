@@ -26,6 +26,7 @@ import gc
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,12 +88,12 @@ class Ranks:
 
     @classmethod
     def from_env(cls, device: torch.device, timeout_s: float) -> Ranks:
-        """Join torchrun's job when ``WORLD_SIZE`` > 1 (gloo on CPU, nccl on CUDA)."""
+        """Join torchrun's job when ``WORLD_SIZE`` > 1 (`backend_for` the device)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return cls()
         if not dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
+            backend = backend_for(device)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             timeout = datetime.timedelta(seconds=timeout_s)
@@ -173,6 +174,32 @@ class Ranks:
         if int(size):
             dist.broadcast(buf, 0)
         return bytes(buf.numpy().tobytes())
+
+
+def backend_for(device: torch.device) -> str:
+    """The process-group backend of a job training on ``device``: gloo on the CPU; on CUDA
+    gloo for CPU tensors and nccl for CUDA tensors. The job's control collectives (config
+    agreement, the step header, the step's group bytes, micro-batch counts, checkpoint
+    agreement) use CPU tensors, which NCCL cannot carry (it has no CPU backend); FSDP2's
+    gathers and gradient reductions use CUDA tensors, which go through NCCL."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` the current CUDA device of the calling thread (nothing on the
+    CPU). The current device is per thread: a thread that never set it allocates and
+    launches on GPU 0, whatever the rank."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def compute_thread(device: torch.device) -> ThreadPoolExecutor:
+    """The one thread a trainer rank runs all its torch work in (steps, collectives,
+    gathers, checkpoints), bound to ``device`` once when it starts (`bind_device`), so
+    the event loop stays free for heartbeats and the lock while a step runs, collectives
+    are issued in one order from one thread, and no allocation lands on another GPU."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-compute",
+                              initializer=bind_device, initargs=(device,))
 
 
 def shard_model(model: nn.Module, device: torch.device,

@@ -42,12 +42,14 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from pipeline.attention import check_attention
 from pipeline.bus import control
 from pipeline.bus.client import Bus, worker_id
 from pipeline.bus.keys import TRAINERS_GROUP
@@ -62,7 +64,15 @@ from pipeline.weights import make_transport
 from trainer import setup
 from trainer.batch import Batch, build_batch
 from trainer.checkpoint import Checkpointer, TrainerState
-from trainer.distributed import IDLE, IDLE_HEADER, STEP, STOP, StepHeader, full_state
+from trainer.distributed import (
+    IDLE,
+    IDLE_HEADER,
+    STEP,
+    STOP,
+    StepHeader,
+    compute_thread,
+    full_state,
+)
 from trainer.lock import TrainerLock
 from trainer.reader import Reader, is_stale
 from trainer.setup import TrainSetup
@@ -70,6 +80,7 @@ from trainer.stats import rollout_stats, step_tokens
 from trainer.step import compute_loss, optimize
 
 log = logging.getLogger("sluice.trainer")
+R = TypeVar("R")
 
 IDLE_EVERY_S = 30.0  # rank 0 tells waiting ranks it is alive at least this often
 
@@ -85,6 +96,7 @@ class Trainer:
         self.consumer = f"trainer-{rank}"
         self.wid = worker_id("trainer", self.consumer)
         self.setup: TrainSetup = setup.build(cfg)  # device, model, optimizer, schedule
+        self._compute = compute_thread(self.setup.device)
         self.ranks = self.setup.ranks
         self.metrics = start_metrics(  # rank 0 serves, and reads what it consumes
             cfg.metrics, "trainer", self.wid, serve=self.ranks.is_main,
@@ -119,6 +131,11 @@ class Trainer:
         return {"step": self.state.step, "version": self.state.version,
                 "max_steps": self.train_cfg.max_steps, "ranks": self.ranks.world, **self.counts,
                 "last": self.last}
+
+    async def compute(self, fn: Callable[..., R], *args: Any) -> R:
+        """Run ``fn(*args)`` in this rank's compute thread (`trainer.distributed.
+        compute_thread`: one thread, bound to the rank's device), off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -225,7 +242,7 @@ class Trainer:
 
     async def resume(self, bus: Bus) -> None:
         """Continue from the newest checkpoint; never move ``version`` backwards."""
-        st = await asyncio.to_thread(self.load_checkpoint)
+        st = await self.compute(self.load_checkpoint)
         redis_version = (await bus.state()).get("version", -1)
         if st is not None:
             self.state = st
@@ -234,7 +251,7 @@ class Trainer:
         if redis_version >= self.state.version and (st is not None or redis_version > 0):
             # the bus has seen this version (or newer): announce ours as the next one
             self.state.version = redis_version + 1
-        await self.publish(bus, await asyncio.to_thread(self.weights))
+        await self.publish(bus, await self.compute(self.weights))
 
     def log_metrics(self, row: dict[str, Any]) -> None:
         with open(self.metrics_path, "a") as f:
@@ -254,8 +271,11 @@ class Trainer:
 
     async def run(self, stop: asyncio.Event) -> None:
         if not self.ranks.is_main:
-            await asyncio.to_thread(self.follow)
-            self.ranks.close()
+            try:
+                await self.compute(self.follow)
+                await self.compute(self.ranks.close)
+            finally:
+                self._compute.shutdown(wait=False)
             return
         clean = False
         log.info("trainer job of %d ranks on %s (layout %s, micro-batch budget %s)",
@@ -279,7 +299,7 @@ class Trainer:
             hb.start()
             try:
                 reason = await self.steps(bus, stop, lock)
-                await asyncio.to_thread(self.stop_ranks)
+                await self.compute(self.stop_ranks)
                 clean = True
                 if reason == "max_steps":
                     await control.finish(bus, "max_steps")
@@ -293,7 +313,8 @@ class Trainer:
             await asyncio.to_thread(self.tracker.finish)
             if self.nccl is not None:
                 await self.nccl.close()
-            self.ranks.close(together=clean)
+            await self.compute(self.ranks.close, clean)
+            self._compute.shutdown(wait=False)
 
     async def steps(self, bus: Bus, stop: asyncio.Event, lock: TrainerLock) -> str:
         """Rank 0's loop; returns why it ended (max_steps | stop)."""
@@ -304,7 +325,7 @@ class Trainer:
                                             version=self.state.version)
             if len(buf) < self.train_cfg.groups_per_step:
                 if not stop.is_set():
-                    await asyncio.to_thread(self.ranks.exchange, IDLE_HEADER)
+                    await self.compute(self.ranks.exchange, IDLE_HEADER)
                 continue  # stopping: the partial buffer stays pending for a restart
             t1 = time.time()
             groups = [sg for _, sg in buf]
@@ -313,14 +334,14 @@ class Trainer:
                                 publish=step % self.train_cfg.weight_sync_steps == 0,
                                 save=step % self.train_cfg.save_steps == 0)
             try:
-                metrics, source = await asyncio.to_thread(self.step_all, header, groups)
+                metrics, source = await self.compute(self.step_all, header, groups)
             except StaleSampleError:
                 raise
             except Exception as e:
                 if self.ranks.distributed:
                     raise  # the job goes down; the restart re-reads (torchrun semantics)
                 buf = await self.reader.step_failed(
-                    bus, buf, e, await asyncio.to_thread(self.culprits, groups), step)
+                    bus, buf, e, await self.compute(self.culprits, groups), step)
                 continue
             if metrics["skipped"]:
                 await self.reader.skip_step(bus, buf, metrics, step)
@@ -336,7 +357,7 @@ class Trainer:
             metrics["filtered"] = run_state.get("retired:filtered", 0)
             self.record(groups, metrics, t0, t1, trained_at=header.version)
             if header.save:
-                await asyncio.to_thread(self.checkpoint)
+                await self.compute(self.checkpoint)
         return "max_steps" if self.state.step >= self.train_cfg.max_steps else "stop"
 
     def stop_ranks(self) -> None:
@@ -390,10 +411,12 @@ class Trainer:
 
 def preflight(cfg: Config) -> None:
     """What the trainer loads first, checked before any role starts (`sluice train`,
-    `sluice up`): ``trainer.device`` exists, float16 has float32 master weights, and the
-    tracker of ``run.report_to`` is installed. Each failure is a ``ConfigError`` naming
+    `sluice up`): ``trainer.device`` exists and can run ``model.attn_implementation``
+    (`pipeline.attention`), float16 has float32 master weights, and the tracker of
+    ``run.report_to`` is installed. Each failure is a ``ConfigError`` naming
     the key."""
-    resolve_device(cfg.trainer.device, "trainer.device")
+    device = resolve_device(cfg.trainer.device, "trainer.device")
+    check_attention(cfg.model.attn_implementation, device.type, device_key="trainer.device")
     if cfg.model.dtype == "float16" and not cfg.trainer.fp32_master:
         raise ConfigError("trainer.fp32_master: model.dtype float16 needs float32 master "
                           "weights (loss scaling); set it true or use bfloat16")

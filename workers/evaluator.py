@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.attention import check_attention
 from pipeline.bus import control
 from pipeline.bus.client import worker_id
 from pipeline.bus.schema import RunFinished, WeightsPublished
@@ -255,7 +256,10 @@ def preflight(cfg: Config, task: Task | None, policy_tokenizer: Callable[[], Any
     generators' servers would be swapped to the evaluated version), the task and the
     rollout hooks. Each failure is a ``ConfigError`` / ``ValueError`` naming the key."""
     if alone:
-        resolve_device(cfg.generation.device, "generation.device")
+        device = resolve_device(cfg.generation.device, "generation.device")
+        if cfg.eval_engine == "transformers":
+            check_attention(cfg.model.attn_implementation, device.type,
+                            device_key="generation.device")
     check_report_to(cfg)
     if alone:
         if cfg.eval_engine == "vllm" and not cfg.eval.vllm_urls:

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from pipeline.attention import check_attention
 from pipeline.bus import control
 from pipeline.bus.client import Bus, worker_id
 from pipeline.bus.codec import encode
@@ -435,13 +436,16 @@ class Generator:
 
 def preflight(cfg: Config, policy_tokenizer: Callable[[], Any]) -> Task:
     """What a generator loads first, checked before any role starts (`sluice generate`,
-    `sluice up`): the in-process engine's ``generation.device``, the task (data, columns,
+    `sluice up`): the in-process engine's ``generation.device`` (and that it can run
+    ``model.attn_implementation``), the task (data, columns,
     prompt lengths, rendered with ``policy_tokenizer()``: None when `sluice up` is about
     to build the tiny model), the environment or rollout hook (one instance built) and
     the prompt filter. Each failure is a ``ConfigError`` / ``ValueError`` naming the key.
     Returns the task, which the other roles' checks reuse."""
     if cfg.generation.engine == "transformers":
-        resolve_device(cfg.generation.device, "generation.device")
+        device = resolve_device(cfg.generation.device, "generation.device")
+        check_attention(cfg.model.attn_implementation, device.type,
+                        device_key="generation.device")
     task = task_from_config(cfg, policy_tokenizer())
     load_rollout(cfg)
     load_filter(cfg)

@@ -231,10 +231,7 @@ class Bus:
                     ) from e
                 if not transient(e):
                     raise
-                if self.healthy:
-                    log.warning("redis unavailable during %s: %s: %s; retrying", what,
-                                type(e).__name__, e)
-                self.healthy = False
+                self.unavailable(what, e, "retrying")
                 if stop is not None and stop.is_set():
                     raise asyncio.CancelledError from e
                 await asyncio.sleep(delay)
@@ -245,6 +242,15 @@ class Bus:
                 self.reconnects += 1
             self.healthy = True
             return result
+
+    def unavailable(self, what: str, e: BaseException, then: str) -> None:
+        """Mark the bus unhealthy after a failed ``what``; the first failure of an outage
+        is logged (whichever call met it: a retried op or a heartbeat), and the next
+        success of `retrying` logs the recovery and counts a reconnect."""
+        if self.healthy:
+            log.warning("redis unavailable during %s: %s: %s; %s", what, type(e).__name__,
+                        e, then)
+        self.healthy = False
 
     # ------------------------------------------------------------ consumer groups
 

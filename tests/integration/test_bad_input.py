@@ -1,14 +1,13 @@
 """Bad input on the real bus: every kind is dead-lettered with its reason, never blocks.
 
-docs/design.md §6 and docs/wire-format.md: decoding validates types, lengths and ranges; whatever fails goes
-to ``dlq`` with the reason and is acknowledged, so it can neither block a consumer nor
-come back; when it was an admitted group (its ``gid`` can be read) it retires ``dead``,
-so ``cursor == retired + in_flight`` still holds. Each case below puts one bad entry
-between two good ones and checks all of that through a real redis-server, for the
-scorer (entries on ``rollouts``) and the trainer (entries on ``scored``): the good
-entry after the bad one is still handed on, which is what "the process keeps going"
-means for a consumer that processes a stream in order.
-"""
+docs/design.md §6 and docs/wire-format.md: decoding validates types, lengths and ranges;
+whatever fails goes to ``dlq`` with the reason and is acknowledged, so it can neither
+block a consumer nor come back; when it was an admitted group (its ``gid`` can be read)
+it retires ``dead``, so ``cursor == retired + in_flight`` still holds. Each case below
+puts one bad entry between two good ones and checks all of that through a real redis-
+server, for the scorer (entries on ``rollouts``) and the trainer (entries on
+``scored``): the good entry after the bad one is still handed on, which is what "the
+process keeps going" means for a consumer that processes a stream in order."""
 
 from __future__ import annotations
 

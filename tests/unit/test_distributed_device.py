@@ -1,0 +1,117 @@
+"""What a trainer job on GPUs would send where, checked on the CPU.
+
+NCCL carries CUDA tensors only; the job's control collectives use CPU tensors. The job
+therefore runs a mixed backend on CUDA (`backend_for`): gloo for CPU tensors, nccl for
+CUDA ones. These tests record every tensor the control plane hands to a collective and
+pin the rule; tests/integration/test_ranks.py runs real gloo ranks. The current CUDA
+device is per thread, so every torch call of a rank runs in one compute thread bound to
+its device (`compute_thread`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks.synthetic import scored_groups
+from pipeline.config import load_config
+from trainer import distributed
+from trainer.batch import build_batch
+from trainer.checkpoint import Checkpointer
+from trainer.distributed import (
+    STEP,
+    Ranks,
+    StepHeader,
+    backend_for,
+    bind_device,
+    compute_thread,
+)
+from trainer.step import DataParallel, step_norm
+
+
+def test_a_cuda_job_runs_cpu_tensors_on_gloo_and_cuda_tensors_on_nccl() -> None:
+    assert backend_for(torch.device("cpu")) == "gloo"
+    backend = backend_for(torch.device("cuda", 1))
+    assert backend == "cpu:gloo,cuda:nccl"
+    # torch's own parser of the string: one backend per device type
+    assert dict(item.split(":") for item in backend.split(",")) == {"cpu": "gloo",
+                                                                    "cuda": "nccl"}
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor given to a collective, as (collective, tensor); each collective acts
+    as rank 0 of a two-rank job would see it (broadcast: unchanged; all-reduce: x2)."""
+    seen: list[tuple[str, torch.Tensor]] = []
+
+    def broadcast(t: torch.Tensor, src: int = 0, **kw: Any) -> None:
+        seen.append(("broadcast", t))
+
+    def all_reduce(t: torch.Tensor, op: Any = None, **kw: Any) -> None:
+        seen.append(("all_reduce", t))
+
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    return seen
+
+
+def test_every_control_collective_of_a_rank_uses_cpu_tensors(
+        recorded: list[tuple[str, torch.Tensor]], tmp_path: Any) -> None:
+    """Config agreement, the step header and the step's bytes, the step's normaliser,
+    the skip decision, the micro-batch count and the checkpoint agreement: all CPU
+    tensors, so with `backend_for` they travel on gloo, never on NCCL."""
+    groups = scored_groups(2, 4, vocab_size=76, prompt_tokens=(3, 6),
+                           completion_tokens=(1, 5), seed=0)
+    ranks = Ranks(rank=0, world=2)
+    ranks.check_config(load_config(None))
+    ranks.exchange(StepHeader(STEP, 3, publish=True), groups)
+    dp = ranks.data_parallel()
+    assert isinstance(dp, DataParallel)
+    step_norm(build_batch(groups, 0), dp)
+    dp.all_max(3)
+    Checkpointer(tmp_path, keep=1)._load_distributed(  # nothing saved: agreement only
+        torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1, requires_grad=True)], 0.1),
+        None, ranks)
+    kinds = {kind for kind, _ in recorded}
+    assert kinds == {"broadcast", "all_reduce"} and len(recorded) >= 8
+    assert {t.device.type for _, t in recorded} == {"cpu"}, [
+        (k, t.device) for k, t in recorded]
+
+
+def test_the_compute_thread_is_bound_to_the_ranks_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work submitted to a rank's compute thread runs after `torch.cuda.set_device` was
+    called with the rank's device in that same thread (a fresh thread would run on GPU
+    0); on the CPU nothing is set."""
+    bound: list[tuple[torch.device, int]] = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: bound.append((d, threading.get_ident())))
+    pool = compute_thread(torch.device("cuda", 1))
+    try:
+        ran_in = pool.submit(threading.get_ident).result(10)
+        again = pool.submit(threading.get_ident).result(10)
+    finally:
+        pool.shutdown()
+    assert bound == [(torch.device("cuda", 1), ran_in)] and again == ran_in
+    assert ran_in != threading.get_ident()
+    bound.clear()
+    bind_device(torch.device("cpu"))
+    assert bound == []
+
+
+def test_the_trainer_runs_every_torch_call_in_its_compute_thread() -> None:
+    """No bare asyncio.to_thread of torch work is left in the trainer role: each goes
+    through `Trainer.compute` (the tracker's calls are not torch work)."""
+    import inspect
+
+    from trainer import trainer
+
+    src = inspect.getsource(trainer)
+    offenders = [line.strip() for line in src.splitlines()
+                 if "to_thread(" in line and "tracker" not in line]
+    assert offenders == []
+    assert distributed.compute_thread.__name__ in src
