@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pipeline.devices import DTYPES
 from pipeline.weights.base import WeightSource, WeightTransport
 from pipeline.weights.file import FileTransport, read_full
 from pipeline.weights.lora import LoraTransport, read_adapter
@@ -33,8 +34,11 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "INDEX", "MANIFEST", "FileTransport
 def make_transport(cfg: Config, *, keep: int = 4) -> WeightTransport:
     """`lora` for ``[model.lora]`` runs; `nccl` when the vLLM servers take NCCL pushes
     (``generation.vllm.weight_transfer = "nccl"``); otherwise `file`. All of them
-    store versions under ``<output_dir>/weights``; ``keep`` is the pruning window."""
+    store versions under ``<output_dir>/weights``; ``keep`` is the pruning window. Full
+    weights are published in ``model.dtype`` (the serving dtype), not the trainer's
+    float32 master copy."""
     root = cfg.output_path / "weights"
+    serving = DTYPES[cfg.model.dtype]  # versions are written in the engines' dtype
     if cfg.model.lora is not None:
         return LoraTransport(root, keep=keep, base_model=cfg.model.path)
     v = cfg.generation.vllm
@@ -42,5 +46,5 @@ def make_transport(cfg: Config, *, keep: int = 4) -> WeightTransport:
         from pipeline.weights.nccl import NCCLTransport, NCCLWeightSync
 
         sync = NCCLWeightSync(v.urls, v.nccl_master_address, v.nccl_master_port)
-        return NCCLTransport(sync, FileTransport(root, keep=keep))
-    return FileTransport(root, keep=keep)
+        return NCCLTransport(sync, FileTransport(root, keep=keep, dtype=serving))
+    return FileTransport(root, keep=keep, dtype=serving)

@@ -64,12 +64,19 @@ def aliases(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return out
 
 
-def publishable(source: WeightSource) -> dict[str, torch.Tensor]:
+def publishable(source: WeightSource, dtype: torch.dtype | None = None
+                ) -> dict[str, torch.Tensor]:
     """The tensors to publish, keyed as ``model.state_dict()`` and detached; an alias
-    (tied embeddings) becomes its own copy (see the module docstring)."""
+    (tied embeddings) becomes its own copy (see the module docstring). With ``dtype``
+    (the serving dtype, ``model.dtype``) floating-point tensors are cast to it: engines
+    compute in that dtype anyway, so float32 master weights would only double the bytes
+    written, hashed and read per version."""
     state = source.state_dict() if isinstance(source, torch.nn.Module) else dict(source)
     copies = aliases(state)
-    return {k: t.detach().clone() if k in copies else t.detach() for k, t in state.items()}
+    out = {k: t.detach().clone() if k in copies else t.detach() for k, t in state.items()}
+    if dtype is not None:
+        out = {k: t.to(dtype) if t.is_floating_point() else t for k, t in out.items()}
+    return out
 
 
 def plan_shards(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
@@ -135,15 +142,19 @@ class FileTransport(WeightTransport):
     format = "safetensors"
 
     def __init__(self, root: str | Path, *, keep: int = 4,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 dtype: torch.dtype | None = None) -> None:
+        """``dtype``: the serving dtype versions are written in (`publishable`); None
+        keeps each tensor's own."""
         if max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
         super().__init__(WeightStore(root, keep=keep))
         self.max_shard_bytes = max_shard_bytes
+        self.dtype = dtype
 
     def write(self, source: WeightSource, *, version: int, step: int) -> WeightsPublished:
         t0 = time.perf_counter()
-        state = publishable(source)
+        state = publishable(source, self.dtype)
         msg = self.store.commit(sharded_files(state, version=version,
                                               max_shard_bytes=self.max_shard_bytes),
                                 fmt=self.format, version=version, step=step)
