@@ -11,6 +11,12 @@ whatever N is. Entropy is computed from the same chunk, without gradient.
 Results are scattered back to ``[B, T]`` (zeros where the mask is 0), the shape the loss
 (`pipeline.rl.losses`) takes. The maths is `selective_log_softmax` / `candidate_log_softmax`
 on each chunk, so values equal the full-logits path (tested to 1e-5).
+
+The body gets the layout in the form its attention implementation needs (`trainer.packing`
+states why): a varlen attention (`pipeline.attention.is_varlen`: flash, hub kernels) gets a
+packed layout's segment boundaries as ``cu_seq_lens_*`` / ``max_length_*`` keyword
+arguments; only a mask attention (sdpa, eager) is given a 4D mask, and ``eager`` gets the
+shared layout's boolean tree mask as an additive float mask.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeline.attention import MASK_ATTENTIONS, is_varlen
 from pipeline.model import is_peft
 from pipeline.rl.losses import candidate_log_softmax, entropy_from_logits, selective_log_softmax
 from trainer.batch import Batch
@@ -61,10 +68,18 @@ class CompletionLogprobs(nn.Module):
                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         body, head = split_lm(self.policy)
         device = head.weight.device
-        hidden = body(input_ids=layout.input_ids.to(device),
-                      attention_mask=_to(layout.attention_mask, device),
+        attn = attention_implementation(body)
+        mask = _to(layout.attention_mask, device)
+        if mask is not None and mask.dim() == 4:
+            if attn not in MASK_ATTENTIONS:
+                raise ValueError(f"attention {attn!r} takes no 4D (tree) mask: the shared "
+                                 "layout needs sdpa or eager (use the packed layout)")
+            if attn == "eager":
+                mask = _additive(mask, _score_dtype(head, device))
+        varlen = layout.varlen_kwargs(device) if is_varlen(attn) else {}
+        hidden = body(input_ids=layout.input_ids.to(device), attention_mask=mask,
                       position_ids=_to(layout.position_ids, device),
-                      use_cache=False).last_hidden_state
+                      use_cache=False, **varlen).last_hidden_state
         sel = batch.mask > 0
         h = hidden[layout.rows[sel].to(device), layout.cols[sel].to(device)]  # [N, H]
         ids = batch.completion_ids[sel].to(device)
@@ -104,6 +119,31 @@ class CompletionLogprobs(nn.Module):
             with torch.no_grad():
                 ent = entropy_from_logits(logits.detach() / self.temperature)
         return lp.squeeze(0), ent.squeeze(0)
+
+
+def attention_implementation(body: nn.Module) -> str:
+    """The attention implementation the body's layers dispatch to. ``None`` (a config never
+    dispatched) is ``eager``: it is what transformers' ``AttentionInterface.get_interface``
+    falls back to for it."""
+    return getattr(body.config, "_attn_implementation", None) or "eager"
+
+
+def _score_dtype(head: nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype eager's attention scores are computed in: the autocast dtype when autocast
+    is on, else the parameters'. (Any float dtype masks correctly, since the scores plus
+    the mask are promoted to the wider of the two; matching avoids a wider copy.)"""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return head.weight.dtype
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as eager attention's additive one: 0 where
+    allowed, ``dtype``'s min elsewhere. eager computes ``scores + mask``, so a boolean mask
+    (True = 1, False = 0) would mask nothing. Every query sees at least itself (the tree
+    mask's diagonal), so no softmax row is all masked."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.finfo(dtype).min)
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

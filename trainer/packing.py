@@ -4,21 +4,45 @@ shared prompts. Every layout says where the logits that predict each completion 
 - ``padded``: one row per sample, right-padded to the longest (the batch's own tensors).
 - ``packed``: samples concatenated into rows of at most ``capacity`` tokens (first-fit
   decreasing; capacity = the longest sample, so no row is longer than a padded one), with
-  ``position_ids`` restarting at 0 per sample and no 2D mask. transformers then finds the
-  sample boundaries from the position ids and keeps attention inside each sample: a block
-  causal mask with SDPA/eager, varlen ``cu_seqlens`` with flash-attention.
+  ``position_ids`` restarting at 0 per sample and no 2D mask. The layout also carries its
+  segment boundaries over the flattened rows (``cu_seqlens``, int32, and ``max_seqlen``):
+  every sample is a segment, and so is each row's padding tail.
 - ``shared`` (packed + prefix sharing): a group's prompt is written once, followed by each
   of its completions, each completion's positions continuing from the prompt's end, with
   an explicit 4D boolean tree mask: a completion token sees the prompt and the earlier
   tokens of its own completion only. The first completion token of every sample is
-  predicted by the prompt's last position, shared by the group. Needs an attention that
-  takes a 4D mask (sdpa, eager); flash-attention cannot express it.
+  predicted by the prompt's last position, shared by the group.
+
+How attention stays inside each sample depends on the attention implementation
+(``config._attn_implementation``), classified by `pipeline.attention`:
+
+- Mask attentions (``MASK_ATTENTIONS``: ``sdpa``, ``eager``): transformers'
+  ``masking_utils`` finds a packed row's samples from its position ids, row by row
+  (``find_packed_sequence_indices``), and builds a block-causal mask; they take the
+  ``shared`` tree mask as is. ``eager`` *adds* its mask to the scores, so the forward
+  (`trainer.logprobs`) turns the boolean tree mask into 0 / dtype-min for it.
+- Varlen attentions (``is_varlen``: every other name but ``flex_attention``, i.e.
+  ``flash_attention_2``/``3``, a `kernels` hub repo such as ``kernels-community/flash-attn2``
+  or any unknown kernel). transformers' flash path (``_flash_attention_forward``) infers
+  samples from position ids only when the batch has one row (``_is_packed_sequence``);
+  with R > 1 rows it would run plain causal attention across every sample of a row. So
+  the forward hands them the packed layout's boundaries explicitly, as the
+  ``DataCollatorWithFlattening`` contract does: ``cu_seq_lens_q`` = ``cu_seq_lens_k`` =
+  ``cu_seqlens``, ``max_length_q`` = ``max_length_k`` = ``max_seqlen`` (a Python int).
+  The model's forward passes these keyword arguments down to the attention function; the
+  flash path then flattens the R rows and runs varlen attention over those segments (and
+  skips the per-layer device sync of finding them).
+- ``flex_attention`` gets its block mask from ``masking_utils``, row by row, like sdpa.
+- Only mask attentions get the ``shared`` layout (`trainer.setup.layout_kind`), and the
+  forward refuses a 4D mask for any other: a tree mask cannot be expressed as segments,
+  and flex would add a boolean mask to its scores.
 
 Invariant (tested against the padded forward to 1e-5): for every sample ``b`` and
 completion token ``t``, the hidden state at ``(rows[b, t], cols[b, t])`` equals the one the
 padded layout gives, so logprobs do not depend on the layout. Padding positions of a row
 attend to themselves only (a query that sees nothing would make SDPA return NaN, which a
-backward would multiply by zero and still propagate).
+backward would multiply by zero and still propagate); in the packed layout the padding
+tail is a segment of its own, never seen by a sample.
 """
 
 from __future__ import annotations
@@ -40,6 +64,20 @@ class Layout:
     attention_mask: torch.Tensor | None  # int64 [R, C] (padded) | bool [R, 1, C, C] | None
     rows: torch.Tensor  # int64 [B, T]: row of the position predicting completion token t
     cols: torch.Tensor  # int64 [B, T]: its column
+    # packed only: int32 [S + 1] starts of the S segments (samples, padding tails) in the
+    # R * C flattened positions; row ends are always boundaries. None otherwise.
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0  # longest segment (packed only)
+
+    def varlen_kwargs(self, device: torch.device) -> dict[str, torch.Tensor | int]:
+        """The varlen attention keyword arguments of a packed layout (empty otherwise), in
+        the names transformers' flash path reads: cu_seqlens as int32 on ``device``, max
+        lengths as Python ints (the varlen kernels want ints)."""
+        if self.cu_seqlens is None:
+            return {}
+        cu = self.cu_seqlens.to(device)
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+                "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
 
     @property
     def forwarded_tokens(self) -> int:
@@ -85,10 +123,12 @@ def make_layout(batch: Batch, kind: LayoutKind, pad_id: int) -> Layout:
     cols = torch.zeros((batch.num_rows, t), dtype=torch.long)
     starts = batch.completion_start.tolist()
     lens = batch.seq_lens.tolist()
+    segments: list[int] = []  # lengths, row after row: its units, then its padding tail
     for r, members in enumerate(bins):
         col = 0
         for u in members:
-            _, samples = units[u]
+            size, samples = units[u]
+            segments.append(size)
             p = starts[samples[0]]
             ids[r, col:col + p] = batch.input_ids[samples[0], :p]
             pos[r, col:col + p] = torch.arange(p)
@@ -108,8 +148,12 @@ def make_layout(batch: Batch, kind: LayoutKind, pad_id: int) -> Layout:
                 col += c
         pad = capacity - col
         pos[r, col:] = torch.arange(pad)  # a segment of its own: never seen by samples
+        if pad:
+            segments.append(pad)
     if kind == "packed":
-        return Layout(ids, pos, None, rows, cols)
+        cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(segments, dtype=torch.int32).cumsum(0)
+        return Layout(ids, pos, None, rows, cols, cu, max(segments))
     return Layout(ids, pos, _tree_mask(seg, branch), rows, cols)
 
 

@@ -27,18 +27,17 @@ import torch
 from torch import nn
 from transformers import get_scheduler
 
+from pipeline.attention import MASK_ATTENTIONS
 from pipeline.config import Config, ConfigError
 from pipeline.devices import resolve_device, torch_dtype
 from pipeline.model import is_peft, load_model, load_policy
 from pipeline.rl.losses import LossConfig
 from trainer.distributed import Ranks, shard_model
-from trainer.logprobs import CompletionLogprobs, split_lm
+from trainer.logprobs import CompletionLogprobs, attention_implementation, split_lm
 from trainer.packing import LayoutKind
 from trainer.step import StepSettings
 
 log = logging.getLogger("sluice.trainer")
-
-MASK_ATTENTIONS = ("sdpa", "eager")  # attentions that take a 4D (tree) mask
 
 
 @dataclass
@@ -120,11 +119,16 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
 
 
 def layout_kind(cfg: Config, model: nn.Module) -> LayoutKind:
-    """padded | packed | shared (packed + prefix sharing where the attention allows)."""
+    """padded | packed | shared (packed + prefix sharing where the attention allows).
+
+    ``shared`` needs a 4D tree mask, so only a mask attention (sdpa, eager:
+    `pipeline.attention.MASK_ATTENTIONS`) gets it; any other (flash, hub kernels, flex)
+    gets ``packed``, whose sample boundaries the forward hands a varlen kernel explicitly
+    (`trainer.packing`)."""
     if not cfg.trainer.packing:
         return "padded"
     body, _ = split_lm(model)
-    attn = getattr(body.config, "_attn_implementation", "sdpa")
+    attn = attention_implementation(body)
     if cfg.trainer.prefix_sharing and attn in MASK_ATTENTIONS:
         return "shared"
     if cfg.trainer.prefix_sharing:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -38,7 +39,7 @@ from trainer.packing import make_layout
 from trainer.setup import layout_kind
 
 torch.set_num_threads(1)
-VARLEN = "sluice-test/recording-varlen"  # a hub-kernel-like name: neither sdpa nor eager
+VARLEN = "sluice_recording_varlen"  # registered like a hub kernel: neither sdpa nor eager
 TEMPERATURE = 0.9
 
 
@@ -53,6 +54,7 @@ class Call:
     cu_seq_lens_k: list[int] | None
     max_length_q: int | None
     max_length_k: int | None
+    max_lengths_are_ints: bool  # flash's varlen functions want Python ints, not tensors
 
 
 CALLS: list[Call] = []
@@ -74,7 +76,8 @@ def _recording_varlen(module: torch.nn.Module, query: torch.Tensor, key: torch.T
               kwargs.get("max_length_k")]
     CALLS.append(Call(b, s, attention_mask is not None, _as_list(varlen[0]),
                       _as_list(varlen[1]), None if varlen[2] is None else int(varlen[2]),
-                      None if varlen[3] is None else int(varlen[3])))
+                      None if varlen[3] is None else int(varlen[3]),
+                      all(type(x) is int for x in varlen[2:])))
     assert attention_mask is None, "a packed/padding-free forward hands flash no mask"
     position_ids = kwargs.get("position_ids")
     if all(x is not None for x in varlen):
@@ -86,9 +89,8 @@ def _recording_varlen(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         bounds = list(range(0, b * s + 1, s))
     assert bounds is not None and bounds[0] == 0 and bounds[-1] == b * s
     q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
-    out = torch.zeros_like(q)
     parts = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+    for start, end in pairwise(bounds):
         seg = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
             v[start:end].transpose(0, 1), is_causal=True, scale=scaling, enable_gqa=True)
@@ -153,9 +155,9 @@ def test_packed_segments_are_the_samples_and_each_padding_tail(batch: Batch) -> 
     r, c = lay.input_ids.shape
     assert lay.cu_seqlens is not None and lay.cu_seqlens.dtype == torch.int32
     cu = lay.cu_seqlens.tolist()
-    assert cu[0] == 0 and cu[-1] == r * c and all(a < b for a, b in zip(cu, cu[1:]))
+    assert cu[0] == 0 and cu[-1] == r * c and all(a < b for a, b in pairwise(cu))
     assert set(range(0, r * c + 1, c)) <= set(cu)  # no segment crosses a row
-    lens = [b - a for a, b in zip(cu, cu[1:])]
+    lens = [b - a for a, b in pairwise(cu)]
     assert lay.max_seqlen == max(lens) == int(batch.seq_lens.max())
     used = torch.zeros(r, dtype=torch.long).index_add_(0, lay.rows[:, 0], batch.seq_lens)
     tails = [c - int(u) for u in used if u < c]
@@ -176,13 +178,15 @@ def test_a_varlen_attention_gets_the_sample_boundaries(model_dir: Path, batch: B
     with torch.no_grad():
         got = _logps(model, batch, "packed")
     assert len(CALLS) == model.config.num_hidden_layers
-    cu = lay.cu_seqlens.tolist() if lay.cu_seqlens is not None else None
+    (want_cu, _), _ = prepare_fa_kwargs_from_position_ids(lay.position_ids.reshape(1, -1))
+    cu = want_cu.tolist()  # the samples' and padding tails' boundaries in the flat rows
     for call in CALLS:
         assert call.batch_size * call.seq_len == r * c
         if call.batch_size > 1:  # several rows: only right with explicit boundaries
             assert call.cu_seq_lens_q is not None, "R > 1 packed rows without cu_seqlens"
             assert call.cu_seq_lens_q == call.cu_seq_lens_k == cu
             assert call.max_length_q == call.max_length_k == int(batch.seq_lens.max())
+            assert call.max_lengths_are_ints
     m = batch.mask > 0
     torch.testing.assert_close(got[m], want[m], atol=1e-5, rtol=0)
 
