@@ -16,7 +16,9 @@ autocast. Batches: ``--groups`` x ``--generations`` synthetic samples
 
 Arms, each `trainer.step.optimize` with ``micro_batch_tokens`` and one layout:
 ``padded`` (packing off), ``packed`` (packing on, no prefix sharing), ``shared``
-(packing + ``trainer.prefix_sharing``, a tree mask over each group) and,
+(packing + ``trainer.prefix_sharing``, a tree mask over each group),
+``padded/bf16-head`` (padded with the LM head under bf16 autocast instead of float32,
+`trainer.fp32_lm_head` off: the float32 head's cost is padded / this) and,
 only when the ``kernels`` package can load ``kernels-community/flash-attn`` from the
 local cache (offline), ``packed+fa`` (packed rows as varlen flash attention); otherwise
 it says why it is skipped. One model and optimizer serve all arms in turn (weights drift;
@@ -30,8 +32,9 @@ multiplies: 6 x (non-embedding params x real tokens + LM head params x trained t
 neither counts attention or checkpoint recompute; peak memory = ``max_memory_allocated``
 over the timed steps (weights, gradients and AdamW state included); then the ratios
 packed/padded and shared/padded, and the time to publish the full state dict through the
-``file`` transport (`FileTransport.write`: GPU->CPU copy, safetensors, sha256, files)
-into a temp dir. On CPU, peak memory is not measured and MFU means nothing.
+``file`` transport in the serving dtype, bf16 (`FileTransport.write`: GPU->CPU copy,
+safetensors, sha256, files) into a temp dir. On CPU, peak memory is not measured and MFU
+means nothing.
 """
 
 from __future__ import annotations
@@ -113,9 +116,10 @@ def sync(device: torch.device) -> None:
 
 def run_arm(model: torch.nn.Module, opt: torch.optim.Optimizer, arm: Arm,
             batches: list[Batch], st: StepSettings, device: torch.device) -> dict[str, float]:
-    _, layout, attn = arm
+    name, layout, attn = arm
     model.set_attn_implementation(attn)  # type: ignore[operator]
-    st = StepSettings(**{**vars(st), "layout": layout})
+    st = StepSettings(**{**vars(st), "layout": layout,
+                         "fp32_head": not name.endswith("bf16-head")})
     optimize(model, opt, batches[0], st)  # warm-up (allocates AdamW state on the first arm)
     sync(device)
     if device.type == "cuda":
@@ -134,8 +138,10 @@ def run_arm(model: torch.nn.Module, opt: torch.optim.Optimizer, arm: Arm,
 
 
 def publish_seconds(model: torch.nn.Module) -> tuple[float, int]:
+    """Publishing the float32 master weights in the serving dtype (bf16), as a run with
+    ``model.dtype = "bfloat16"`` does."""
     with tempfile.TemporaryDirectory(prefix="sluice-bench-publish-") as d:
-        transport = FileTransport(Path(d))
+        transport = FileTransport(Path(d), dtype=torch.bfloat16)
         t0 = time.perf_counter()
         msg = transport.write(model, version=1, step=1)
         return time.perf_counter() - t0, msg.nbytes
@@ -194,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                       micro_batch_tokens=a.micro_batch_tokens, chunk_tokens=a.chunk_tokens,
                       compute_dtype=None if a.pure_bf16 else torch.bfloat16)
     arms: list[Arm] = [("padded", "padded", "sdpa"), ("packed", "packed", "sdpa"),
-                       ("shared", "shared", "sdpa")]
+                       ("shared", "shared", "sdpa"), ("padded/bf16-head", "padded", "sdpa")]
     skipped = flash_status(model, device)
     if not skipped:
         arms.append(("packed+fa", "packed", FLASH))

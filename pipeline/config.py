@@ -226,8 +226,11 @@ class VLLMConfig(_Section):
     """Base URLs of running vLLM servers (``http://host:port``); `sluice up` fills this
     when `launch` > 0."""
     launch: int = Field(0, ge=0, le=64)
-    """`sluice up` starts this many local vLLM servers (server i bound to CPU core i on a
-    CPU machine) and stops them on exit; 0 = use `urls`."""
+    """`sluice up` starts this many local vLLM servers and stops them on exit; 0 = use
+    `urls`. Server i binds CPU core i on a CPU machine; on a GPU machine it gets GPU i mod
+    n of the GPUs `sluice up` sees (its CUDA_VISIBLE_DEVICES list when set), with `nccl`
+    one of its own that the trainer does not use (docs/vllm.md). Servers sharing a GPU
+    start one after another."""
     python: str = ".venv-vllm/bin/python"
     """Interpreter of the environment vLLM servers run from (`deploy/setup.sh --vllm`)."""
     max_model_len: int = Field(512, ge=16)
@@ -235,8 +238,9 @@ class VLLMConfig(_Section):
     kv_cache_memory_bytes: int = Field(64 * 2**20, ge=2**20)
     """--kv-cache-memory-bytes of launched servers."""
     gpu_memory_utilization: float = Field(0.0, ge=0, le=1)
-    """On a GPU: --gpu-memory-utilization of launched servers (0 = use
-    kv_cache_memory_bytes, the CPU setting)."""
+    """On a GPU: the fraction of each GPU's memory its launched servers use together;
+    servers sharing a GPU split it equally (--gpu-memory-utilization = this / servers on
+    that GPU). 0 = use kv_cache_memory_bytes, the CPU setting."""
     extra_args: list[str] = Field(default_factory=list)
     """Further command-line flags for launched servers."""
     start_timeout_s: float = Field(300.0, gt=0)
@@ -257,11 +261,18 @@ class VLLMConfig(_Section):
     """`file`: servers reload each announced version from the weight store (shared disk).
     `nccl`: GPU only, untested here; trainer rank 0 broadcasts each version to the servers
     before announcing it, and generators reload from the store only a server that missed
-    it (docs/vllm.md)."""
+    it (docs/vllm.md). With `launch`, each generator server needs a GPU the trainer does
+    not use: `sluice up` refuses a machine without enough."""
     nccl_master_address: str = "127.0.0.1"
     """`nccl`: the trainer's address as the servers reach it (NCCL rendezvous)."""
     nccl_master_port: int = Field(29517, ge=1, le=65535)
     """`nccl`: the rendezvous port on the trainer."""
+    nccl_timeout_s: float = Field(300.0, gt=0)
+    """`nccl`: bound on the trainer's join of the servers' group and on each version's
+    push (pause, broadcast, finish; the resume after it waits at most min(30 s, this)).
+    A join or push that fails or takes longer is logged and its version goes through the
+    weight store (counted as sluice_batch_weight_fallbacks_total); after a timeout, every
+    later version does too. The run goes on."""
 
 
 class GenerationConfig(_Section):
@@ -488,6 +499,10 @@ class TrainerConfig(_Section):
     """Completion tokens whose vocabulary logits are materialised at once (the LM head is
     applied to hidden states of completion positions only, in chunks of this many, each
     recomputed in backward): peak logit memory is O(chunk * vocab)."""
+    fp32_lm_head: bool = True
+    """Apply the LM head in float32 under bf16/fp16 autocast, so the logprobs the
+    importance ratio compares with the sampler's are not rounded to bf16 (±0.06 at
+    logits near 30). Costs a float32 matmul per chunk; no effect in float32."""
     lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
     """Learning-rate schedule (transformers.get_scheduler) over ``max_steps``."""
     warmup_steps: int = Field(0, ge=0)

@@ -22,6 +22,7 @@ shared layout's boolean tree mask as an additive float mask.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -54,7 +55,11 @@ class CompletionLogprobs(nn.Module):
     can be applied to it as the root: its forward is the one call that runs the model.
     """
 
-    def __init__(self, policy: nn.Module, temperature: float, chunk_tokens: int = 256):
+    def __init__(self, policy: nn.Module, temperature: float, chunk_tokens: int = 256,
+                 fp32_head: bool = True):
+        """``fp32_head``: apply the LM head in float32 even under bf16/fp16 autocast
+        (`trainer.fp32_lm_head`). Logits near ±30 lose ~0.06 to bf16 rounding, which the
+        importance ratio against the sampler's logprobs then reads as policy change."""
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -63,6 +68,7 @@ class CompletionLogprobs(nn.Module):
         self.policy = policy
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
+        self.fp32_head = fp32_head
 
     def forward(self, layout: Layout, batch: Batch,
                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -108,7 +114,13 @@ class CompletionLogprobs(nn.Module):
     def _chunk(self, head: nn.Module, h: torch.Tensor, ids: torch.Tensor,
                cands: torch.Tensor | None,
                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = head(h).float().unsqueeze(0)  # [1, n, V]
+        if self.fp32_head:  # outside autocast, on float32 copies (the chunk is small)
+            with torch.autocast(h.device.type, enabled=False):
+                bias = getattr(head, "bias", None)
+                logits = F.linear(h.float(), head.weight.float(),
+                                  None if bias is None else bias.float()).unsqueeze(0)
+        else:
+            logits = head(h).float().unsqueeze(0)  # [1, n, V]
         if cands is None:
             lp = selective_log_softmax(logits, ids.unsqueeze(0), self.temperature)
         else:

@@ -80,14 +80,16 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
             base.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
     temperature = train_cfg.temperature or cfg.generation.temperature
-    fwd = CompletionLogprobs(model, temperature, train_cfg.logprob_chunk_tokens)
+    fwd = CompletionLogprobs(model, temperature, train_cfg.logprob_chunk_tokens,
+                             train_cfg.fp32_lm_head)
     ref = None
     if train_cfg.beta > 0 and cfg.model.lora is None:  # frozen reference: loaded once, never synced
         ref_model, _ = load_model(cfg.model.path, dtype=master, device=device,
                                   attn_implementation=cfg.model.attn_implementation,
                                   revision=cfg.model.revision)
         ref_model.requires_grad_(False)
-        ref = CompletionLogprobs(ref_model, temperature, train_cfg.logprob_chunk_tokens)
+        ref = CompletionLogprobs(ref_model, temperature, train_cfg.logprob_chunk_tokens,
+                                 train_cfg.fp32_lm_head)
     if ranks.distributed:
         shard_model(fwd, device, compute)
         if ref is not None:
@@ -113,7 +115,7 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
         temperature=temperature, num_iterations=t.num_iterations,
         max_grad_norm=t.max_grad_norm, micro_batch_tokens=t.micro_batch_tokens,
         layout=layout_kind(cfg, model), chunk_tokens=t.logprob_chunk_tokens, pad_id=pad_id,
-        compute_dtype=compute)
+        compute_dtype=compute, fp32_head=t.fp32_lm_head)
     return TrainSetup(ranks, device, model, fwd, ref, optimizer, scheduler, scaler, settings,
                       pad_id, tok)
 

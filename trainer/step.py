@@ -94,6 +94,9 @@ class StepSettings:
     pad_id: int = 0
     compute_dtype: torch.dtype | None = None
     """Autocast dtype (mixed precision over float32 parameters); None = no autocast."""
+    fp32_head: bool = True
+    """The LM head in float32 under autocast (`trainer.fp32_lm_head`), for a model that
+    is not already wrapped in `CompletionLogprobs`."""
 
     def __post_init__(self) -> None:
         if self.num_iterations < 1:
@@ -149,7 +152,7 @@ def lean_logps(model: torch.nn.Module, mb: Batch, st: StepSettings,
     """``(logps [B, T], entropy [B, T] | None)`` of a micro-batch through the memory-lean
     path; ``model`` is a policy or its `CompletionLogprobs` wrapper (the FSDP root)."""
     fwd = model if isinstance(model, CompletionLogprobs) else CompletionLogprobs(
-        model, st.temperature, st.chunk_tokens)
+        model, st.temperature, st.chunk_tokens, st.fp32_head)
     layout = make_layout(mb, st.layout, st.pad_id)
     with _autocast(fwd, st.compute_dtype):
         return fwd(layout, mb, with_entropy)
