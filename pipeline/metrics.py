@@ -108,6 +108,8 @@ SPECS: tuple[Spec, ...] = (
     Spec(Counter, "batch_groups", "Groups read off scored and settled", ("outcome",)),
     Spec(Counter, "batch_skipped_steps", "Steps skipped: loss or gradient not finite"),
     Spec(Counter, "batch_failed_steps", "Steps that raised"),
+    Spec(Counter, "batch_weight_fallbacks", "Weight versions published through the file "
+         "store alone: their NCCL push failed or timed out, or the group was unusable"),
     Spec(Gauge, "batch_step", "Optimizer step of the run"),
     Spec(Gauge, "batch_version", "Newest weight version published"),
     Spec(Gauge, "batch_loss", "Loss of the last step"),
@@ -167,6 +169,7 @@ SYNCED: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
                 "dead": ("batch_groups", {"outcome": "dead"}),
                 "skipped_steps": ("batch_skipped_steps", {}),
                 "failed_steps": ("batch_failed_steps", {}),
+                "weight_fallbacks": ("batch_weight_fallbacks", {}),
                 "step": ("batch_step", {}), "version": ("batch_version", {})},
     "evaluator": {"version": ("rollout_policy_version", {})},
 }

@@ -130,7 +130,7 @@ class Trainer:
     def info(self) -> dict[str, Any]:
         return {"step": self.state.step, "version": self.state.version,
                 "max_steps": self.train_cfg.max_steps, "ranks": self.ranks.world, **self.counts,
-                "last": self.last}
+                "weight_fallbacks": getattr(self.store, "fallbacks", 0), "last": self.last}
 
     async def compute(self, fn: Callable[..., R], *args: Any) -> R:
         """Run ``fn(*args)`` in this rank's compute thread (`trainer.distributed.

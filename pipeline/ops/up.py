@@ -45,7 +45,7 @@ from pipeline.ops.samples import ScorerSamples
 from pipeline.ops.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
 from pipeline.ports import free_port
 from pipeline.runtime import connect, redis_options
-from workers.engines.vllm_server import LocalServer, launch
+from workers.engines.vllm_server import LocalServer, ServerSpec, launch
 
 
 @dataclass
@@ -352,6 +352,13 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
     out = cfg.output_path
     redis = None
     servers: list[LocalServer] = []
+    specs: list[ServerSpec] = []
+    if cfg.generation.engine == "vllm" and cfg.generation.vllm.launch:
+        try:  # where each server runs: a machine that cannot host them fails before any start
+            specs = vllm_specs(cfg)
+        except ConfigError as e:
+            print(f"sluice: {e}", file=sys.stderr)
+            return 2
     if not cfg.bus.redis_url:
         redis = EmbeddedRedis(out / "redis").start()
     try:  # the bus as every role will find it: a cluster's slots, the run's partitions
@@ -368,11 +375,11 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
         loop.add_signal_handler(sig, stop.set)
     try:
         urls: list[str] = []
-        if cfg.generation.engine == "vllm" and cfg.generation.vllm.launch:
+        if specs:
             extra = " and 1 for the evaluator" if launches_eval_server(cfg) else ""
             print(f"starting {cfg.generation.vllm.launch} vLLM server(s){extra}; logs in "
                   f"{out}/vllm", file=sys.stderr)
-            servers = launch(vllm_specs(cfg), out / "vllm", cfg.generation.vllm.start_timeout_s)
+            servers = launch(specs, out / "vllm", cfg.generation.vllm.start_timeout_s)
             urls = [s.url for s in servers]
         n = cfg.generation.vllm.launch
         sup.start_roles(vllm_urls=urls[:n], eval_urls=urls[n:])

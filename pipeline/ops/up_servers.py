@@ -1,18 +1,41 @@
-"""The vLLM servers `sluice up` launches, and which role gets which server.
+"""The vLLM servers `sluice up` launches, where they run, and which role gets which.
 
-Server i binds CPU core i on a CPU machine, GPU i on a GPU machine. The generators share
-``generation.vllm.launch`` servers (`split_servers`); the evaluator, when it decodes on
-vLLM without servers named, gets one more of its own (`launches_eval_server`), so an
-evaluated version is never swapped into a generator's server.
+The generators share ``generation.vllm.launch`` servers (`split_servers`); the evaluator,
+when it decodes on vLLM without servers named, gets one more of its own
+(`launches_eval_server`), so an evaluated version is never swapped into a generator's
+server.
+
+Placement (`plan_servers`, a pure function; `server_plan` feeds it this machine):
+- A CPU machine: server i binds CPU core i (``cpu_core``); every server starts at once.
+- A GPU machine: a server gets one entry of the GPUs this process sees: the parent's
+  ``CUDA_VISIBLE_DEVICES`` list when it is set (a Slurm or Kubernetes allocation), so
+  a server never escapes the allocation, else every GPU (`visible_devices`).
+- ``weight_transfer = "file"``: server i gets GPU i mod n (round robin over all of them,
+  the trainer's included).
+- ``weight_transfer = "nccl"``: the trainer (rank 0, cuda:0 of its ranks' GPUs) and every
+  generator server join one NCCL group, and NCCL refuses two ranks on one GPU ("Duplicate
+  GPU detected"). So the generators' servers each get a GPU of their own, none of the
+  trainer's (`trainer_gpu_indices`); the evaluator's server is not in the group and goes
+  round robin over those same GPUs. A machine that cannot give that is refused with a
+  `ConfigError` naming the keys, before any process starts.
+- Servers sharing a GPU start one after another (``after``: the previous one on that
+  GPU must answer /health first), because vLLM sizes its KV cache from the memory that
+  is free while it profiles, assuming no other process changes its use meanwhile; and
+  they split ``gpu_memory_utilization`` (each gets fraction / servers on the GPU, since
+  vLLM's fraction is per instance, of the GPU's whole memory), so together they use the
+  configured fraction.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from workers.engines.vllm_server import ServerSpec
 
 
@@ -41,31 +64,133 @@ def launches_eval_server(cfg: Config) -> bool:
             and cfg.generation.engine == "vllm" and cfg.generation.vllm.launch > 0)
 
 
-def vllm_specs(cfg: Config) -> list[ServerSpec]:
-    """One `ServerSpec` per server `sluice up` launches (the generators' ``launch``, then
-    the evaluator's own if `launches_eval_server`): on a CPU machine server i binds core
-    i; on a GPU machine it gets GPU i. Every server loads the local folder of the model
-    (the run's pinned snapshot when ``cfg`` comes from `prepare`; a hub id is resolved
-    through the cache), the same files the trainer and generators load."""
+@dataclass(frozen=True)
+class Placement:
+    """Where one launched server runs and when it starts.
+
+    ``device``: the server's ``CUDA_VISIBLE_DEVICES``, one entry of the parent's visible
+    list (None on a CPU machine). ``after``: the index (launch order) of the server that
+    must answer /health before this one starts, always an earlier one on the same GPU
+    (None: it starts at once). ``memory_utilization``: its --gpu-memory-utilization, the
+    configured fraction over the number of servers on its GPU (0 stays 0: the servers
+    then size their KV cache by ``kv_cache_memory_bytes``)."""
+
+    device: str | None
+    after: int | None
+    memory_utilization: float
+
+
+def visible_devices(cuda_visible: str | None, count: int) -> list[str]:
+    """The GPUs this process may hand out, as ``CUDA_VISIBLE_DEVICES`` entries: the
+    parent's list (indices, UUIDs or MIG ids, passed through as written) when it is set,
+    else ``0 .. count-1``. ``count`` is how many devices CUDA sees; it stops at the first
+    entry it cannot use, so only that many entries are taken."""
+    if cuda_visible is None:
+        return [str(i) for i in range(count)]
+    return [e.strip() for e in cuda_visible.split(",") if e.strip()][:count]
+
+
+def machine_gpus() -> list[str]:
+    """`visible_devices` of this process (empty without CUDA)."""
     import torch
 
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), count)
+
+
+def trainer_gpu_indices(device: str, ranks: int, gpus: int) -> list[int]:
+    """Indices (into the visible GPUs) the trainer job of ``ranks`` ranks uses with
+    ``trainer.device`` = ``device`` (`pipeline.devices.resolve_device`): `cuda:N` is N
+    for every rank, `auto`/`cuda` are cuda:LOCAL_RANK, `cpu` (or `auto` without a GPU)
+    none."""
+    if device == "cpu" or gpus == 0:
+        return []
+    if ":" in device:
+        return [int(device.split(":", 1)[1])]
+    return [r for r in range(ranks) if r < gpus]
+
+
+def plan_servers(generator_servers: int, eval_servers: int, visible: Sequence[str],
+                 trainer_gpus: Sequence[int], *, nccl: bool,
+                 memory_utilization: float) -> list[Placement]:
+    """One `Placement` per server, the generators' first (module docstring: the rules).
+
+    Invariants: with ``nccl`` no generator server shares a GPU with the trainer or with
+    another generator server; every ``after`` names an earlier server on the same GPU
+    and each GPU's servers form one chain; on each GPU the servers' fractions sum to
+    ``memory_utilization``. Raises `ConfigError` when ``nccl`` cannot get that."""
+    total = generator_servers + eval_servers
+    if not visible:
+        if nccl:
+            raise ConfigError(
+                'generation.vllm.weight_transfer = "nccl" needs CUDA GPUs, and this machine '
+                "has no CUDA GPU visible (CUDA_VISIBLE_DEVICES, torch.cuda); use "
+                'weight_transfer = "file"')
+        return [Placement(None, None, memory_utilization)] * total
+    if nccl:
+        if not trainer_gpus:
+            raise ConfigError(
+                'generation.vllm.weight_transfer = "nccl": trainer rank 0 sends the weights '
+                "from a GPU, but trainer.device puts the trainer on the CPU; use "
+                'trainer.device = "auto" or "cuda", or weight_transfer = "file"')
+        pool = [i for i in range(len(visible)) if i not in set(trainer_gpus)]
+        if generator_servers > len(pool):
+            used = ", ".join(visible[i] for i in sorted(set(trainer_gpus)) if i < len(visible))
+            raise ConfigError(
+                f'generation.vllm.weight_transfer = "nccl": {len(visible)} GPU(s) visible '
+                f"({', '.join(visible)}); the trainer (trainer.device, up.trainer_ranks) uses "
+                f"{used or 'none of them'}, which leaves {len(pool)} for "
+                f"generation.vllm.launch = {generator_servers} server(s). NCCL refuses two "
+                "ranks of one group on one GPU (the trainer and a server, or two servers), "
+                "so each server needs a GPU of its own. Lower generation.vllm.launch or "
+                'up.trainer_ranks, run on more GPUs, or use weight_transfer = "file"')
+        gpus = [pool[i % len(pool)] for i in range(total)]
+    else:
+        gpus = [i % len(visible) for i in range(total)]
+    sharing = Counter(gpus)
+    last: dict[int, int] = {}
+    plan: list[Placement] = []
+    for i, g in enumerate(gpus):
+        plan.append(Placement(visible[g], last.get(g), memory_utilization / sharing[g]))
+        last[g] = i
+    return plan
+
+
+def server_plan(cfg: Config) -> list[Placement]:
+    """`plan_servers` for the servers `sluice up` launches on this machine."""
+    v = cfg.generation.vllm
+    visible = machine_gpus()
+    return plan_servers(v.launch, int(launches_eval_server(cfg)), visible,
+                        trainer_gpu_indices(cfg.trainer.device, cfg.up.trainer_ranks,
+                                            len(visible)),
+                        nccl=v.weight_transfer == "nccl",
+                        memory_utilization=v.gpu_memory_utilization)
+
+
+def vllm_specs(cfg: Config) -> list[ServerSpec]:
+    """One `ServerSpec` per server `sluice up` launches (the generators' ``launch``, then
+    the evaluator's own if `launches_eval_server`), placed by `server_plan` (checked
+    first: a `ConfigError` comes before anything is resolved or started). Every server
+    loads the local folder of the model (the run's pinned snapshot when ``cfg`` comes from
+    `prepare`; a hub id is resolved through the cache), the same files the trainer and
+    generators load. Only the generators' servers take NCCL pushes."""
     from pipeline.hub import resolve_model
 
+    plan = server_plan(cfg)
     v = cfg.generation.vllm
     python = Path(v.python).absolute()
     if not python.exists():
         python = Path(__file__).resolve().parents[2] / v.python  # relative to the checkout
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     lora = cfg.model.lora
     model = resolve_model(cfg.model.path, cfg.model.revision).local_dir
+    nccl = NCCL_ARGS if v.weight_transfer == "nccl" else []
     return [ServerSpec(python=str(python), model=model,
                        dtype=cfg.model.dtype, max_model_len=v.max_model_len,
                        kv_cache_memory_bytes=v.kv_cache_memory_bytes,
-                       gpu_memory_utilization=v.gpu_memory_utilization,
+                       gpu_memory_utilization=p.memory_utilization,
                        lora_rank=lora.rank if lora else 0,
                        max_loras=cfg.trainer.max_staleness + 2,
-                       cpu_core=None if gpus else i % (os.cpu_count() or 1),
-                       cuda_device=i % gpus if gpus else None,
-                       extra_args=[*(NCCL_ARGS if v.weight_transfer == "nccl" else []),
-                                   *v.extra_args])
-            for i in range(v.launch + launches_eval_server(cfg))]
+                       cpu_core=i % (os.cpu_count() or 1) if p.device is None else None,
+                       cuda_device=p.device, start_after=p.after,
+                       extra_args=[*(nccl if i < v.launch else []), *v.extra_args])
+            for i, p in enumerate(plan)]

@@ -6,9 +6,8 @@ one: the trainer publishes with it, generators and the evaluator receive with it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from pipeline.devices import DTYPES
+from pipeline.config import Config, ConfigError
+from pipeline.devices import DTYPES, resolve_device
 from pipeline.weights.base import WeightSource, WeightTransport
 from pipeline.weights.file import FileTransport, read_full
 from pipeline.weights.lora import LoraTransport, read_adapter
@@ -22,9 +21,6 @@ from pipeline.weights.store import (
     sha256_file,
     table_sha256,
 )
-
-if TYPE_CHECKING:
-    from pipeline.config import Config
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "INDEX", "MANIFEST", "FileTransport",
            "LoraTransport", "WeightError", "WeightSource", "WeightStore", "WeightTransport",
@@ -45,6 +41,18 @@ def make_transport(cfg: Config, *, keep: int = 4) -> WeightTransport:
     if cfg.generation.engine == "vllm" and v.weight_transfer == "nccl":
         from pipeline.weights.nccl import NCCLTransport, NCCLWeightSync
 
-        sync = NCCLWeightSync(v.urls, v.nccl_master_address, v.nccl_master_port)
+        sync = NCCLWeightSync(v.urls, v.nccl_master_address, v.nccl_master_port,
+                              timeout_s=v.nccl_timeout_s, device=_trainer_gpu(cfg))
         return NCCLTransport(sync, FileTransport(root, keep=keep, dtype=serving))
     return FileTransport(root, keep=keep, dtype=serving)
+
+
+def _trainer_gpu(cfg: Config) -> int | None:
+    """The CUDA index the trainer trains on (its NCCL threads join the servers' group on
+    it, not on the event loop thread's current device, 0); None where this process has
+    no such GPU (a generator's side of the transport never pushes)."""
+    try:
+        device = resolve_device(cfg.trainer.device, "trainer.device")
+    except ConfigError:
+        return None
+    return device.index if device.type == "cuda" else None

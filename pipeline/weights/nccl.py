@@ -1,12 +1,20 @@
 """The `nccl` transport: trainer → vLLM weight push over NCCL (vLLM 0.32's dense ``nccl``
 weight-transfer backend), with the `file` transport as the store engines fall back to.
 
-`NCCLTransport.publish` pushes the version to every server first (a failed push is
-logged, and the sync stays broken), then writes it to the store and returns that
-announcement: a generator finds its servers already labelled with the version and
-reloads from disk only a server that missed the push (`workers.engines.vllm_weights`).
-The push sends what the store writes (`pipeline.weights.file.publishable`: with tied
-embeddings, ``lm_head.weight`` as its own tensor).
+`NCCLTransport.publish` pushes the version to every server first, then writes it to the
+store and returns that announcement: a generator finds its servers already labelled with
+the version and reloads from disk only a server that missed the push
+(`workers.engines.vllm_weights`). The push sends what the store writes
+(`pipeline.weights.file.publishable`: with tied embeddings, ``lm_head.weight`` as its own
+tensor, in the store's serving dtype).
+
+Weight sync never hangs and never stops the run: the join at start and each push are
+bounded by ``timeout_s`` (``generation.vllm.nccl_timeout_s``), the resume that follows a
+push by ``resume_timeout_s``. A join or push that fails or times out is logged and its
+version goes through the file store alone (a *fallback*, counted in
+`NCCLTransport.fallbacks`, the trainer's ``weight_fallbacks`` heartbeat key and
+``sluice_batch_weight_fallbacks_total``); generators then reload it from disk, since the
+servers' label is still the old version.
 
 NEEDS CUDA GPUs AND NCCL. Untested end to end: it cannot run on CPU machines (vLLM CPU's
 worker builds the engine, but ``/init_weight_transfer_engine`` fails without an
@@ -26,10 +34,12 @@ Reviewed in vllm 0.32 (site-packages/vllm/):
   ``/reset_prefix_cache`` → ``{"success": bool}``.
 - distributed/weight_transfer/nccl_common.py: ``NCCLWeightTransferInitInfo`` (keyword
   fields), ``worker_init_process_group`` (worker rank = rank_offset + dp_index*TP*PP +
-  rank), ``trainer_init(dict, rank=0)``; nccl_engine.py: ``NCCLWeightTransferUpdateInfo``
-  (``dtype_names`` read with ``getattr(torch, name)``, so "bfloat16", not
-  "torch.bfloat16"), ``NCCLTrainerWeightTransferEngine`` (single server only: it hard-codes
-  rank_offset=1, hence this module); packed_tensor.py: ``packed_nccl_broadcast_producer``.
+  rank), ``trainer_init(dict, rank=0)`` (versions without ``rank`` take the dict alone:
+  `trainer_init_kwargs` passes ``rank`` only where the signature has it); nccl_engine.py:
+  ``NCCLWeightTransferUpdateInfo`` (``dtype_names`` read with ``getattr(torch, name)``,
+  so "bfloat16", not "torch.bfloat16"), ``NCCLTrainerWeightTransferEngine`` (single
+  server only: it hard-codes rank_offset=1, hence this module); packed_tensor.py:
+  ``packed_nccl_broadcast_producer``.
 - v1/engine/core.py ``pause_scheduler``: ``mode=keep`` with ``clear_cache=true`` (the
   route default) PREEMPTS frozen requests and resets the prefix cache (their KV is
   recomputed under the new weights on resume), contrary to the route docstring.
@@ -43,16 +53,22 @@ Ordering invariants (every step on every server concurrently):
    update_info and the broadcast come from one materialized list, so names, order,
    dtypes and shapes agree (the packed receiver cuts chunks from update_info).
 3. A failed or cut-short transfer leaves the group unusable (peers stay blocked in
-   NCCL); the sync is marked broken and further pushes refuse until re-created.
+   NCCL); the sync is marked broken and further pushes refuse until re-created. A step
+   that times out (join, push) marks it broken too, whatever phase it was in, so no
+   later version waits out the timeout again.
+4. Bounded: `init` returns or raises within ``timeout_s``; `push` within ``timeout_s``
+   plus ``resume_timeout_s``. A blocking NCCL call that never returns is left in its
+   daemon thread (it cannot be interrupted), never awaited past the bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
@@ -71,6 +87,8 @@ Weights = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
 # vllm packed_tensor.DEFAULT_PACKED_*; sent to the servers, so both sides always agree.
 PACKED_BUFFER_SIZE_BYTES = 1 << 30
 PACKED_NUM_BUFFERS = 2
+NCCL_TIMEOUT_S = 300.0  # the default of generation.vllm.nccl_timeout_s
+RESUME_TIMEOUT_S = 30.0  # at most; never more than the sync's timeout_s
 
 
 class WeightSyncError(RuntimeError):
@@ -88,6 +106,23 @@ def update_info(state: Weights) -> dict[str, list[Any]]:
     return {"names": [n for n, _ in pairs],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in pairs],
             "shapes": [list(t.shape) for _, t in pairs]}
+
+
+def trainer_init_kwargs(trainer_init: Callable[..., Any], rendezvous: dict[str, Any]
+                        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of vLLM's ``trainer_init`` for the trainer as rank 0: the rendezvous
+    dict, and ``rank=0`` only when the signature has a ``rank`` parameter (vLLM 0.32:
+    ``trainer_init(init_info, rank=0)``; versions without it: ``trainer_init(init_info)``,
+    which would refuse the keyword)."""
+    try:
+        params = inspect.signature(trainer_init).parameters
+    except (TypeError, ValueError):  # no signature to read: rely on rank's default
+        return (rendezvous,), {}
+    rank = params.get("rank")
+    if rank is not None and rank.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                          inspect.Parameter.KEYWORD_ONLY):
+        return (rendezvous,), {"rank": 0}
+    return (rendezvous,), {}
 
 
 def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
@@ -121,12 +156,15 @@ class NCCLWeightSync:
     ``workers_per_server`` None: each server's size is read from ``GET /get_world_size``.
     ``join(rendezvous) -> group`` and ``broadcast(pairs)`` default to vLLM's trainer
     helpers; tests replace them. ``clear_cache`` is passed to ``/pause`` (see module doc).
+    ``timeout_s`` bounds `init` and each `push` as a whole (its HTTP calls, the join, the
+    broadcast); ``resume_timeout_s`` (None: min(30 s, ``timeout_s``)) each ``/resume``.
     """
 
     def __init__(self, servers: Sequence[str], master_address: str, master_port: int, *,
                  workers_per_server: int | None = None,
-                 session: aiohttp.ClientSession | None = None, timeout_s: float = 600.0,
-                 resume_timeout_s: float = 30.0, clear_cache: bool = True,
+                 session: aiohttp.ClientSession | None = None,
+                 timeout_s: float = NCCL_TIMEOUT_S,
+                 resume_timeout_s: float | None = None, clear_cache: bool = True,
                  packed_buffer_size_bytes: int = PACKED_BUFFER_SIZE_BYTES,
                  packed_num_buffers: int = PACKED_NUM_BUFFERS,
                  join: Callable[[dict[str, Any]], Any] | None = None,
@@ -137,8 +175,15 @@ class NCCLWeightSync:
         self.servers = [s.rstrip("/") for s in servers]
         self.master_address, self.master_port = master_address, master_port
         self.workers_per_server = workers_per_server
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.resume_timeout = aiohttp.ClientTimeout(total=resume_timeout_s)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.resume_timeout_s = (min(RESUME_TIMEOUT_S, timeout_s) if resume_timeout_s is None
+                                 else resume_timeout_s)
+        # no bound per call: `_bounded` bounds the whole step a call belongs to, so a
+        # timeout always marks the sync broken (a per-call one would race it)
+        self.timeout = aiohttp.ClientTimeout(total=None)
+        self.resume_timeout = aiohttp.ClientTimeout(total=self.resume_timeout_s)
         self.clear_cache = clear_cache
         self.buffer_bytes, self.num_buffers = packed_buffer_size_bytes, packed_num_buffers
         self._join = join or self._vllm_join
@@ -189,6 +234,7 @@ class NCCLWeightSync:
             done, _ = await asyncio.wait({work, calls}, return_when=asyncio.FIRST_EXCEPTION)
         except BaseException:  # cancelled mid-transfer: peers may be stuck in NCCL
             calls.cancel()
+            work.cancel()  # stops nobody waiting on it; the thread itself runs on
             self.broken = "NCCL transfer cancelled"
             raise
         for f in (calls, work):
@@ -199,9 +245,26 @@ class NCCLWeightSync:
         await calls
         return await work
 
+    async def _bounded(self, what: str, step: Awaitable[T]) -> T:
+        """``step`` within ``timeout_s``, else `TimeoutError` and the sync marked broken
+        (a peer may be blocked in NCCL, or a server in an unknown state). A
+        `TimeoutError` the step raises itself, earlier, passes through as it is."""
+        t0 = time.monotonic()
+        try:
+            return await asyncio.wait_for(step, self.timeout_s)
+        except TimeoutError:
+            if time.monotonic() - t0 < self.timeout_s:
+                raise
+            self.broken = f"{what} timed out after {self.timeout_s:g} s"
+            raise TimeoutError(f"NCCL weight sync: {self.broken}") from None
+
     # ------------------------------------------------------------------ API
     async def init(self) -> int:
-        """Form the NCCL group (trainer = rank 0); returns its world size."""
+        """Form the NCCL group (trainer = rank 0); returns its world size. Returns or
+        raises within ``timeout_s``."""
+        return await self._bounded("joining the weight-transfer group", self._init())
+
+    async def _init(self) -> int:
         if self.workers_per_server is not None:
             sizes = [self.workers_per_server] * len(self.servers)
         else:
@@ -224,7 +287,8 @@ class NCCLWeightSync:
         return self.world_size
 
     async def push(self, weights: Weights, version: int) -> float:
-        """Send ``weights`` (HF checkpoint names) as ``version``; returns seconds paused."""
+        """Send ``weights`` (HF checkpoint names) as ``version``; returns seconds paused.
+        Returns or raises within ``timeout_s`` + ``resume_timeout_s``."""
         if self.broken:
             raise RuntimeError(f"weight sync unusable ({self.broken}); re-create servers/group")
         if self.group is None:
@@ -233,26 +297,29 @@ class NCCLWeightSync:
         info = update_info(pairs)
         t0, failed = time.perf_counter(), False
         try:
-            await self._all("/pause", params={"mode": "keep",
-                                              "clear_cache": str(self.clear_cache).lower()})
-            await self._all("/start_weight_update")
-            await self._with_nccl(_in_daemon_thread(self._broadcast, pairs),
-                                  lambda: self._all("/update_weights", [{"update_info": info}]
-                                                    * len(self.servers)))
-            await self._all("/finish_weight_update",
-                            [{"weight_version": str(version)}] * len(self.servers))
-            resets = await self._all("/reset_prefix_cache")
-            self.last_cache_reset = {u: bool((r or {}).get("success")) for u, r in
-                                     zip(self.servers, resets, strict=True)}
-            if not all(self.last_cache_reset.values()):
-                log.warning("prefix cache not reset (blocks held by frozen requests): %s",
-                            self.last_cache_reset)
+            await self._bounded(f"pushing v{version}", self._push(pairs, info, version))
         except BaseException:
             failed = True
             raise
         finally:
             await self._resume_all(raise_errors=not failed)
         return time.perf_counter() - t0
+
+    async def _push(self, pairs: Pairs, info: dict[str, list[Any]], version: int) -> None:
+        await self._all("/pause", params={"mode": "keep",
+                                          "clear_cache": str(self.clear_cache).lower()})
+        await self._all("/start_weight_update")
+        await self._with_nccl(_in_daemon_thread(self._broadcast, pairs),
+                              lambda: self._all("/update_weights", [{"update_info": info}]
+                                                * len(self.servers)))
+        await self._all("/finish_weight_update",
+                        [{"weight_version": str(version)}] * len(self.servers))
+        resets = await self._all("/reset_prefix_cache")
+        self.last_cache_reset = {u: bool((r or {}).get("success")) for u, r in
+                                 zip(self.servers, resets, strict=True)}
+        if not all(self.last_cache_reset.values()):
+            log.warning("prefix cache not reset (blocks held by frozen requests): %s",
+                        self.last_cache_reset)
 
     async def _resume_all(self, raise_errors: bool) -> None:
         """Resume every server, even after an error. A failed resume is raised only when
@@ -282,7 +349,8 @@ class NCCLWeightSync:
 
         if self.device is not None:  # a new thread starts on device 0
             torch.cuda.set_device(self.device)
-        group = trainer_init(rendezvous, rank=0)
+        args, kwargs = trainer_init_kwargs(trainer_init, rendezvous)
+        group = trainer_init(*args, **kwargs)
         if getattr(group, "disabled", False):  # no libnccl / VLLM_DISABLE_PYNCCL: broadcast
             raise RuntimeError("vLLM's PyNcclCommunicator is disabled")  # would be a no-op
         return group
@@ -306,7 +374,12 @@ class NCCLWeightSync:
 
 class NCCLTransport(WeightTransport):
     """Push each version to the vLLM servers over NCCL, then publish it with ``fallback``
-    (whose store generators verify and reload from). `start` joins the group."""
+    (whose store generators verify and reload from). `start` joins the group.
+
+    Invariants: `start` and `publish` never raise for an NCCL failure or timeout (the
+    sync bounds them, module docstring); every version is in the store and announced
+    whatever happened to its push; ``fallbacks`` counts the versions published without
+    a completed push (also ``stats["weight_fallbacks"]``, cumulative)."""
 
     name = "nccl"
     format = "safetensors"
@@ -314,9 +387,19 @@ class NCCLTransport(WeightTransport):
     def __init__(self, sync: NCCLWeightSync, fallback: FileTransport) -> None:
         super().__init__(fallback.store)
         self.sync, self.fallback = sync, fallback
+        self.fallbacks = 0
+        self._told_unusable = False
 
     async def start(self) -> None:
-        await self.sync.init()
+        """Join the servers' group. A join that fails or times out leaves the sync
+        broken: every version then goes through the file store (logged, counted)."""
+        try:
+            await self.sync.init()
+        except Exception as e:
+            self.sync.broken = self.sync.broken or f"joining the group failed: {e!r}"
+            log.error("NCCL weight-transfer group not formed (%s); every version goes "
+                      "through the file store", e)
+            self._told_unusable = True
 
     async def close(self) -> None:
         await self.sync.close()
@@ -324,13 +407,24 @@ class NCCLTransport(WeightTransport):
     async def publish(self, source: WeightSource, *, version: int,
                       step: int) -> WeightsPublished:
         stats: dict[str, float] = {}
+        pushed = False
         if self.sync.group is not None and not self.sync.broken:
             try:
-                stats["nccl_pause_s"] = await self.sync.push(publishable(source), version)
+                state = publishable(source, getattr(self.fallback, "dtype", None))
+                stats["nccl_pause_s"] = await self.sync.push(state, version)
+                pushed = True
             except Exception as e:  # the store + announcement below still carry it
-                log.error("NCCL weight push of v%d failed: %s", version, e)
+                log.error("NCCL weight push of v%d failed, it goes through the file store: "
+                          "%s", version, e)
+                self._told_unusable = bool(self.sync.broken)
+        elif not self._told_unusable:
+            log.warning("NCCL weight sync unusable (%s): v%d and later versions go through "
+                        "the file store", self.sync.broken or "no group", version)
+            self._told_unusable = True
+        if not pushed:
+            self.fallbacks += 1
         msg = await self.fallback.publish(source, version=version, step=step)
-        self.stats = {**self.fallback.stats, **stats}
+        self.stats = {**self.fallback.stats, **stats, "weight_fallbacks": float(self.fallbacks)}
         return msg
 
     def write(self, source: WeightSource, *, version: int, step: int) -> WeightsPublished:

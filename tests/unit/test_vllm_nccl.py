@@ -296,3 +296,236 @@ def test_vllm_route_handlers_accept_every_request(vllm_routes: str) -> None:
                      ["update", info["names"], [str(t.dtype) for t in _state().values()],
                       info["shapes"]],
                      ["finish", "7"], ["reset", False, False], ["resume"]]
+
+
+# ---------------------------------------------------------------- vLLM's trainer_init
+def _fake_vllm_common(monkeypatch: pytest.MonkeyPatch, trainer_init: Any) -> None:
+    """``vllm.distributed.weight_transfer.nccl_common`` as a module holding only
+    ``trainer_init`` (the real one needs CUDA), for `NCCLWeightSync._vllm_join`."""
+    import sys
+    import types
+
+    names = ["vllm", "vllm.distributed", "vllm.distributed.weight_transfer",
+             "vllm.distributed.weight_transfer.nccl_common"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[-1]].trainer_init = trainer_init  # type: ignore[attr-defined]
+
+
+RDV = {"master_address": "10.0.0.1", "master_port": 29500, "world_size": 3}
+
+
+@pytest.mark.parametrize("shape", ["init_info", "init_info, rank=0", "init_info, *, rank=0"])
+def test_vllm_join_calls_trainer_init_of_either_signature(
+        shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.32 has ``trainer_init(init_info, rank=0)``; versions without the rank take
+    ``trainer_init(init_info)`` only (the trainer is always rank 0 there)."""
+    calls: list[dict[str, Any]] = []
+    scope: dict[str, Any] = {"calls": calls}
+    exec(f"def trainer_init({shape}):\n    calls.append(dict(locals()))\n"
+         "    return 'group'\n", scope)
+    _fake_vllm_common(monkeypatch, scope["trainer_init"])
+    sync = NCCLWeightSync(["http://x:1"], "10.0.0.1", 29500, device=None)
+    assert sync._vllm_join(dict(RDV)) == "group"
+    assert calls[0]["init_info"] == RDV
+    assert calls[0].get("rank", 0) == 0
+
+
+def test_trainer_init_arguments_fit_the_installed_vllm() -> None:
+    """The call `trainer_init_kwargs` builds binds to the real signature of the vLLM in
+    .venv-vllm (read in a subprocess: vLLM is not importable here)."""
+    import inspect
+
+    from pipeline.weights.nccl import trainer_init_kwargs
+
+    py = Path(os.environ.get("SLUICE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+    if not py.exists():
+        pytest.skip("no .venv-vllm: the installed vLLM's trainer_init cannot be read")
+    probe = ("import inspect, json\n"
+             "from vllm.distributed.weight_transfer.nccl_common import trainer_init\n"
+             "print(json.dumps([[p.name, p.kind.name, p.default is not p.empty]\n"
+             "                  for p in inspect.signature(trainer_init).parameters.values()]))")
+    out = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, timeout=300,
+                         check=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    params = json.loads(out.stdout.strip().splitlines()[-1])
+    sig = inspect.Signature([inspect.Parameter(
+        name, getattr(inspect.Parameter, kind),
+        **({"default": 0} if has_default else {})) for name, kind, has_default in params])
+
+    def real(*args: Any, **kwargs: Any) -> Any:
+        return sig.bind(*args, **kwargs)
+
+    real.__signature__ = sig  # type: ignore[attr-defined]
+    args, kwargs = trainer_init_kwargs(real, dict(RDV))
+    bound = sig.bind(*args, **kwargs)  # raises TypeError if our call does not fit
+    bound.apply_defaults()
+    assert next(iter(bound.arguments.values())) == RDV
+    assert bound.arguments.get("rank", 0) == 0
+    assert [p[0] for p in params][:2] == ["init_info", "rank"]  # vllm 0.32, as reviewed
+
+
+# ---------------------------------------------------------------- timeouts and fallback
+class Stuck:
+    """A blocking NCCL call that never completes on its own (a peer that never arrives);
+    `release` frees the daemon thread at the end of a test."""
+
+    def __init__(self, rdv: Rendezvous | None = None) -> None:
+        self.rdv, self.gate, self.entered = rdv, threading.Event(), threading.Event()
+
+    def __call__(self, arg: Any) -> str:
+        self.entered.set()
+        if self.rdv is not None:
+            self.rdv.trainer_in.set()  # the servers' side of the call completes
+        self.gate.wait()
+        return "group"
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+@asynccontextmanager
+async def silent_server():
+    """A TCP server on 127.0.0.1 that accepts connections and never answers."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        await reader.read()  # until the client gives up
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+
+
+def _small_state() -> dict[str, torch.Tensor]:
+    return {"model.embed_tokens.weight": torch.arange(32.0).reshape(8, 4),
+            "model.norm.weight": torch.ones(4)}
+
+
+def _transport(sync: NCCLWeightSync, root: Path) -> Any:
+    from pipeline.weights.file import FileTransport
+    from pipeline.weights.nccl import NCCLTransport
+
+    return NCCLTransport(sync, FileTransport(root))
+
+
+TIMEOUT_S = 1.0
+
+
+def test_a_broadcast_that_never_completes_falls_back_to_the_files(tmp_path: Path) -> None:
+    """The servers answer every call, but the trainer's broadcast never returns: the
+    publish comes back within the timeout with a store version generators can load."""
+    async def main() -> None:
+        rdv, stuck = Rendezvous(), None
+        stuck = Stuck(rdv)
+        async with fake_servers(2, rdv) as (urls, log):
+            sync = NCCLWeightSync(urls, "10.0.0.1", 29500, workers_per_server=1,
+                                  join=rdv.trainer, broadcast=stuck, timeout_s=TIMEOUT_S)
+            t = _transport(sync, tmp_path / "w")
+            await t.start()
+            assert sync.group == "group" and not sync.broken
+            try:
+                t0 = time.monotonic()
+                msg = await asyncio.wait_for(t.publish(_small_state(), version=1, step=1),
+                                             TIMEOUT_S + 10)
+                took = time.monotonic() - t0
+                assert stuck.entered.is_set() and took < TIMEOUT_S + 5
+                assert sync.broken and "timed out" in sync.broken
+                d = await t.receive(msg)  # what a generator does with the announcement
+                assert msg.format == "safetensors" and d == t.store.dir_for(1)
+                loaded = t.fallback.load(msg)
+                assert all(torch.equal(loaded[k], v) for k, v in _small_state().items())
+                assert t.fallbacks == 1 and t.stats["weight_fallbacks"] == 1
+                # every server was resumed; the version label was never set by the push
+                paths = [p for _, p, _, _ in log]
+                assert paths.count("/resume") == 2 and "/finish_weight_update" not in paths
+                # the group is unusable now: the next version goes through the files at once
+                t0 = time.monotonic()
+                msg2 = await t.publish(_small_state(), version=2, step=2)
+                assert time.monotonic() - t0 < TIMEOUT_S and msg2.version == 2
+                assert t.fallbacks == 2 and paths == [p for _, p, _, _ in log]
+                await t.close()
+            finally:
+                stuck.release()
+
+    asyncio.run(main())
+
+
+def test_servers_that_never_answer_time_out_at_start_and_the_run_goes_on(
+        tmp_path: Path) -> None:
+    """A real socket that accepts and never answers: the join at start gives up within
+    the timeout (the trainer goes on, on the files), and so does a push."""
+    async def main() -> None:
+        stuck = Stuck()
+        async with silent_server() as url:
+            sync = NCCLWeightSync([url], "127.0.0.1", free_port(), workers_per_server=1,
+                                  join=stuck, broadcast=stuck, timeout_s=TIMEOUT_S)
+            t = _transport(sync, tmp_path / "w")
+            try:
+                t0 = time.monotonic()
+                await asyncio.wait_for(t.start(), TIMEOUT_S + 10)  # no exception
+                assert time.monotonic() - t0 < TIMEOUT_S + 5
+                assert sync.broken and sync.group is None
+                msg = await asyncio.wait_for(t.publish(_small_state(), version=1, step=1),
+                                             TIMEOUT_S + 10)
+                assert await t.receive(msg) == t.store.dir_for(1) and t.fallbacks == 1
+                # a push to a server that never answers, on a group that formed
+                sync.broken, sync.group = None, "group"
+                t0 = time.monotonic()
+                msg = await asyncio.wait_for(t.publish(_small_state(), version=2, step=2),
+                                             2 * TIMEOUT_S + 10)
+                # the push is bounded by the timeout, resume by min(30 s, the timeout)
+                assert time.monotonic() - t0 < 2 * TIMEOUT_S + 5
+                assert sync.broken and "timed out" in sync.broken
+                assert await t.receive(msg) == t.store.dir_for(2) and t.fallbacks == 2
+                await t.close()
+            finally:
+                stuck.release()
+
+    asyncio.run(main())
+
+
+def test_the_timeout_defaults_agree_with_the_config() -> None:
+    from pipeline.config import VLLMConfig
+    from pipeline.weights.nccl import NCCL_TIMEOUT_S
+
+    assert VLLMConfig().nccl_timeout_s == NCCL_TIMEOUT_S
+    sync = NCCLWeightSync(["http://x:1"], "h", 1)
+    assert sync.timeout_s == NCCL_TIMEOUT_S and sync.resume_timeout_s == 30.0
+    assert NCCLWeightSync(["http://x:1"], "h", 1, timeout_s=2.0).resume_timeout_s == 2.0
+
+
+def test_fallbacks_are_a_trainer_counter_fed_by_the_heartbeat() -> None:
+    from prometheus_client import generate_latest
+
+    from pipeline.metrics import RoleMetrics
+
+    m = RoleMetrics("trainer", "trainer/trainer-0")
+    text = generate_latest(m.registry).decode()
+    assert 'sluice_batch_weight_fallbacks_total{role="trainer",worker="trainer-0"} 0.0' in text
+    m.sync({"weight_fallbacks": 2})
+    m.sync({"weight_fallbacks": 3})
+    text = generate_latest(m.registry).decode()
+    assert 'sluice_batch_weight_fallbacks_total{role="trainer",worker="trainer-0"} 3.0' in text
+
+
+def test_the_run_s_nccl_transport_takes_its_timeout_and_the_trainers_gpu(
+        tmp_path: Path) -> None:
+    """make_transport wires generation.vllm.nccl_timeout_s into the sync, and the NCCL
+    threads' device is the trainer's (None without one here: the CPU)."""
+    from pipeline.config import load_config
+    from pipeline.weights import make_transport
+
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "generation.engine=vllm",
+                             "generation.vllm.urls=['http://127.0.0.1:9']",
+                             "generation.vllm.weight_transfer=nccl",
+                             "generation.vllm.nccl_timeout_s=7"])
+    transport = make_transport(cfg)
+    assert transport.name == "nccl"
+    assert transport.sync.timeout_s == 7.0  # type: ignore[attr-defined]
+    assert transport.sync.device is None  # type: ignore[attr-defined]
+    assert transport.fallbacks == 0  # type: ignore[attr-defined]

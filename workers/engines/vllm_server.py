@@ -10,10 +10,16 @@ Flags every server gets and why:
 - ``--enable-scale-out``: the token-in/token-out ``/inference/v1/generate`` route, which
   reports per-token weight versions.
 - ``--host 127.0.0.1``: servers started here listen on loopback only.
+- ``--enforce-eager`` on the CPU only (a spec without ``cuda_device``): on a GPU it would
+  turn off CUDA graphs and torch.compile.
 - LoRA runs: ``--enable-lora --max-lora-rank R --max-loras max_staleness + 2`` and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (adapters are loaded per version at run time).
 Environment: ``VLLM_SERVER_DEV_MODE=1`` (pause / reload / version routes), offline hub,
-and on CPU ``VLLM_CPU_OMP_THREADS_BIND`` = the core this server owns.
+on CPU ``VLLM_CPU_OMP_THREADS_BIND`` = the core this server owns, on a GPU
+``CUDA_VISIBLE_DEVICES`` = the GPU it is given (an entry of the parent's list).
+
+`launch` starts a server with ``start_after`` only once that earlier server answers
+/health (servers sharing a GPU: each profiles its memory alone); the rest load in parallel.
 """
 
 from __future__ import annotations
@@ -43,15 +49,17 @@ class ServerSpec:
     lora_rank: int = 0  # 0 = LoRA off
     max_loras: int = 2
     cpu_core: int | None = 0  # CPU machines: the core the server's OpenMP threads bind to
-    cuda_device: int | None = None  # GPU machines: the GPU this server owns
+    cuda_device: str | None = None  # GPU machines: its CUDA_VISIBLE_DEVICES (None: CPU)
+    start_after: int | None = None  # `launch`: index of an earlier server to wait for
     extra_args: list[str] = field(default_factory=list)
 
     def command(self, port: int) -> list[str]:
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
                "--model", self.model, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-               "--enforce-eager", "--logprobs-mode", "processed_logprobs",
-               "--enable-scale-out"]
+               "--logprobs-mode", "processed_logprobs", "--enable-scale-out"]
+        if self.cuda_device is None:  # the CPU; a GPU keeps CUDA graphs
+            cmd.append("--enforce-eager")
         if self.gpu_memory_utilization > 0:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         else:
@@ -67,7 +75,7 @@ class ServerSpec:
         if self.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
         if self.cuda_device is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(self.cuda_device)
+            env["CUDA_VISIBLE_DEVICES"] = self.cuda_device
         if self.lora_rank:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         return env
@@ -113,18 +121,26 @@ class LocalServer:
     def wait_ready(self, timeout_s: float = 300.0) -> LocalServer:
         assert self.proc is not None, "start() first"
         deadline = time.time() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise ServerError(f"vLLM server exited with {self.proc.returncode} before it "
-                                  f"was ready:\n{self.tail()}")
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=1).close()
-                return self
-            except OSError:
-                if time.time() > deadline:
-                    raise ServerError(f"vLLM server at {self.url} not ready within "
-                                      f"{timeout_s:.0f} s; log: {self.log_path}") from None
-                time.sleep(0.5)
+        while not self.is_ready(deadline, timeout_s):
+            time.sleep(0.5)
+        return self
+
+    def is_ready(self, deadline: float, timeout_s: float) -> bool:
+        """Whether the started server answers /health now; `ServerError` once it has
+        exited, or when it does not and ``deadline`` (``timeout_s`` after its start)
+        has passed."""
+        assert self.proc is not None, "start() first"
+        if self.proc.poll() is not None:
+            raise ServerError(f"vLLM server exited with {self.proc.returncode} before it "
+                              f"was ready:\n{self.tail()}")
+        try:
+            urllib.request.urlopen(self.url + "/health", timeout=1).close()
+            return True
+        except OSError:
+            if time.time() > deadline:
+                raise ServerError(f"vLLM server at {self.url} not ready within "
+                                  f"{timeout_s:.0f} s; log: {self.log_path}") from None
+            return False
 
     def tail(self, n: int = 25) -> str:
         try:
@@ -158,15 +174,34 @@ class LocalServer:
         self.proc.wait()
 
 
-def launch(specs: list[ServerSpec], workdir: Path, timeout_s: float = 300.0) -> list[LocalServer]:
-    """Start every server at once (they load in parallel), then wait for all; on any
-    failure stop the ones already started and re-raise."""
+def launch(specs: list[ServerSpec], workdir: Path, timeout_s: float = 300.0,
+           poll_s: float = 0.5) -> list[LocalServer]:
+    """Start the servers and return once every one answers /health.
+
+    A spec with ``start_after`` = j starts only once server j answers (servers sharing
+    a GPU: vLLM sizes its KV cache from the memory free while it profiles, so two must
+    not load at once); the others start at once and load in parallel. Each must answer
+    within ``timeout_s`` of its own start. On any failure (one exits, one is late) the
+    servers started so far are stopped, the rest never start, and the error is raised."""
+    for i, spec in enumerate(specs):
+        if spec.start_after is not None and not 0 <= spec.start_after < i:
+            raise ValueError(f"server {i}: start_after must name an earlier server, got "
+                             f"{spec.start_after}")
     servers = [LocalServer(s, workdir) for s in specs]
+    ready = [False] * len(servers)
+    deadlines = [0.0] * len(servers)
     try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_ready(timeout_s)
+        while not all(ready):
+            for i, s in enumerate(servers):
+                after = s.spec.start_after
+                if s.proc is None and (after is None or ready[after]):
+                    s.start()
+                    deadlines[i] = time.time() + timeout_s
+            for i, s in enumerate(servers):
+                if s.proc is not None and not ready[i]:
+                    ready[i] = s.is_ready(deadlines[i], timeout_s)
+            if not all(ready):
+                time.sleep(poll_s)
     except BaseException:
         for s in servers:
             s.stop(grace_s=10)
