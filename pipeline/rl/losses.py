@@ -391,21 +391,26 @@ def _clip_fractions(
 
 
 def _behaviour_ratio_stats(
-    old_lp: Tensor, behaviour_lp: Tensor, m: Tensor, mf: Tensor, batch_tokens: Tensor
+    old_lp: Tensor, behaviour_lp: Tensor, m: Tensor, mf: Tensor, batch_tokens: Tensor,
+    cfg: LossConfig,
 ) -> dict[str, float]:
     """``is_ratio/{min,mean,max}`` of the raw token ratios ``exp(old - behaviour)`` over
-    masked tokens with a known behaviour logprob (NaN when there are none), and
+    masked tokens with a known behaviour logprob (NaN when there are none);
+    ``is_ratio/outside_frac``: the fraction of them outside ``[is_clip_min,
+    is_clip_max]`` (the tokens ``is_mode`` truncates or masks; NaN with none); and
     ``logprob_diff/mean_abs``: mean ``|old - behaviour|`` (nats) over masked tokens, an
     unknown behaviour logprob counting 0. Without gradient."""
     with torch.no_grad():
         raw = torch.exp(old_lp - behaviour_lp)[m]
         raw = raw[~torch.isnan(raw)]
         empty = raw.numel() == 0
+        outside = (raw > cfg.is_clip_max) | (raw < cfg.is_clip_min)
         abs_diff = torch.nan_to_num((old_lp - behaviour_lp).abs(), nan=0.0)
         return {
             "is_ratio/min": math.nan if empty else float(raw.min()),
             "is_ratio/mean": math.nan if empty else float(raw.mean()),
             "is_ratio/max": math.nan if empty else float(raw.max()),
+            "is_ratio/outside_frac": math.nan if empty else float(outside.float().mean()),
             "logprob_diff/mean_abs": _masked_mean(abs_diff, mf, batch_tokens),
         }
 
@@ -456,7 +461,7 @@ def grpo_loss(
     loss = _normalised_loss(per_token, mf, batch_tokens, cfg, num_items_in_batch, norm)
     metrics = {
         **_clip_fractions(ratio, adv, m, mf, batch_tokens, cfg),
-        **_behaviour_ratio_stats(old_lp, behaviour_lp, m, mf, batch_tokens),
+        **_behaviour_ratio_stats(old_lp, behaviour_lp, m, mf, batch_tokens, cfg),
         "kl": 0.0 if per_token_kl is None else _masked_mean(per_token_kl, mf, batch_tokens),
     }
     return loss, metrics

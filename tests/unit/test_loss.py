@@ -215,6 +215,10 @@ def test_loss_is_gradient_and_metrics() -> None:
     assert m["is_ratio/min"] == pytest.approx(0.5, rel=1e-5)
     assert m["is_ratio/max"] == pytest.approx(4.0, rel=1e-5)
     assert m["is_ratio/mean"] == pytest.approx(1.7, rel=1e-5)
+    assert m["is_ratio/outside_frac"] == pytest.approx(1 / 5)  # only 4 > is_clip_max 3
+    _, masked = grpo_loss(logps, None, -ln(IS_BEHAVIOUR), t([1.0, -0.5]), t(IS_MASK),
+                          LossConfig(is_mode="token_mask", is_clip_min=0.6, is_clip_max=3.0))
+    assert masked["is_ratio/outside_frac"] == pytest.approx(2 / 5)  # 4 and 0.5
     # |old - behaviour|: ln2 + ln2 + 2 ln2 + 0 + 0 over 5 tokens = 0.5545177
     assert m["logprob_diff/mean_abs"] == pytest.approx(4 * LN2 / 5, rel=1e-5)
     assert m["clip_ratio/region_mean"] == 0.0
