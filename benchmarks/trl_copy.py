@@ -80,6 +80,15 @@ class EvalClock(TrainerCallback):
         self.t0 = time.perf_counter()
         self.run_eval(kw["model"], 0)
 
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kw: Any) -> None:
+        """TRL's logged metrics (entropy, clip ratios, zero-std fraction, grad norm), one
+        JSON line per logging step with the training clock: the mechanism table of
+        ``vs_trl.py`` reads them next to sluice's metrics.jsonl."""
+        row = {"step": state.global_step, "t": self.clock(), **(logs or {})}
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         t = self.clock()
         if t - self.last_eval >= self.every_s or t >= self.budget_s:
@@ -106,10 +115,13 @@ def main() -> None:
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--heldout", type=int, default=256)
+    p.add_argument("--log-every", type=int, default=25,
+                   help="TRL logging_steps: its metrics, averaged, every this many steps")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "eval.jsonl").unlink(missing_ok=True)
+    (a.out / "metrics.jsonl").unlink(missing_ok=True)
 
     import datasets
     from trl import GRPOConfig, GRPOTrainer
@@ -129,7 +141,7 @@ def main() -> None:
         optim="adamw_torch", adam_beta1=0.9, adam_beta2=a.adam_beta2, beta=a.beta,
         use_bias_correction_kl=not a.no_kl_bias_correction,
         loss_type="dapo", epsilon=0.2, scale_rewards="group",
-        temperature=1.0, max_steps=10**6, save_strategy="no", logging_steps=10**6,
+        temperature=1.0, max_steps=10**6, save_strategy="no", logging_steps=a.log_every,
         report_to="none", bf16=False, use_cpu=True, seed=a.seed, disable_tqdm=True)
     clock = EvalClock(a.out, heldout, tok, a.model, a.max_new_tokens, a.eval_every_s,
                       a.budget_s, a.target, a.completions_per_step)

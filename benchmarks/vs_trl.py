@@ -15,7 +15,9 @@ Arms:
 * ``trl``: TRL's ``GRPOTrainer`` (``benchmarks/trl_copy.py``), synchronous, at its
   fastest torch thread count: unless ``--trl-threads`` is given, a probe first runs TRL
   for ``--probe-s`` seconds of training at 1 and at 2 threads (seed 0, both printed) and
-  the faster is used for every seed. ``trl1``/``trl2`` force a thread count.
+  the faster is used for every seed. ``trl1``/``trl2`` force a thread count; ``trl#2``
+  runs TRL again on the same seeds, so the report shows how far two runs of one seed
+  land apart (TRL is not bit-reproducible across runs: thread scheduling).
 * ``s<N>``: ``sluice up examples/copy.toml`` at ``trainer.max_staleness`` N with the
   example's other settings (``--set`` overrides from ``--sluice-set`` apply to every
   sluice arm).
@@ -29,9 +31,13 @@ is charged to sluice. "samples" are completions *generated*: for sluice that inc
 groups filtered (all rewards equal) or dropped stale. Results are saved after every run
 in ``OUT/results.json``; a run already there is not repeated (``--redo`` to force).
 
-The report gives, per arm, how many seeds reached the target, and the median and range
-of time, samples and steps to it (a seed that did not reach it counts as infinitely
-slow), then the ratio of medians to TRL's.
+The report (`benchmarks/vs_trl_report.py`) gives the area under each run's held-out
+reward curve against time and against samples with 95% bootstrap intervals over seeds
+(and paired with TRL's on the same seeds), each seed's curve at fixed times and sample
+counts, per threshold how many seeds reached it and the median and range of time,
+samples and steps to it, and the mechanism table: entropy, clip and IS-truncation
+fractions, zero-variance groups, grad norms, the behaviour-vs-trained logprob distance
+and staleness over each run's first and last quarter, with step and sample rates.
 """
 
 from __future__ import annotations
@@ -49,14 +55,13 @@ from typing import Any
 
 import psutil
 
+from benchmarks.vs_trl_report import first, mechanism, report
 from pipeline.ops.report import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 ROLES = {"up": "up", "generate": "generator", "score": "scorer", "train": "trainer",
          "eval": "evaluator"}  # sluice subcommand -> role
-EXACT_TARGETS = (0.2, 0.5)  # secondary, below --target
-REWARD_TARGETS = (0.6, 0.7, 0.8, 0.9)
 
 
 def common_args(a: argparse.Namespace) -> dict[str, Any]:
@@ -78,6 +83,7 @@ def run_trl(a: argparse.Namespace, model: Path, out: Path, seed: int, threads: i
     evals = read_jsonl(out / "eval.jsonl")
     return {"evals": [{"t": e["t"], "samples": e["samples"], "step": e["step"],
                        "exact": e["pass@1"], "reward": e["reward"]} for e in evals],
+            "mech": mechanism(read_jsonl(out / "metrics.jsonl")),
             "steps": prof["steps"], "steps_per_s": prof["steps"] / max(prof["train_clock_s"], 1e-9),
             "threads": threads,
             "profile": {"generate+score": prof["generate_and_score_s"],
@@ -144,15 +150,12 @@ def run_sluice(a: argparse.Namespace, model: Path, out: Path, seed: int,
     last = metrics[-1] if metrics else {}
     late = [m for m in metrics if m["step"] >= 0.8 * last.get("step", 0)] or [{}]
     return {"evals": rows, "steps": last.get("step", 0), "profile": by_role,
+            "mech": mechanism(metrics),
             "steps_per_s": last.get("step", 0) / max(rows[-1]["t"], 1e-9) if rows else None,
             "late": {k: statistics.fmean(vals) for k in ("entropy", "grad_norm",
                                                           "staleness_mean")
                      if (vals := [m[k] for m in late if k in m and m[k] == m[k]])},
             "filtered": last.get("filtered", 0), "dropped_stale": last.get("dropped_stale", 0)}
-
-
-def first(evals: list[dict[str, Any]], thr: float, key: str = "exact") -> dict[str, Any] | None:
-    return next((e for e in evals if e[key] >= thr), None)
 
 
 def probe_trl_threads(a: argparse.Namespace, model: Path) -> tuple[int, dict[int, float]]:
@@ -168,83 +171,6 @@ def probe_trl_threads(a: argparse.Namespace, model: Path) -> tuple[int, dict[int
     return max(rates, key=lambda t: rates[t]), rates
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("inf")
-
-
-def span(xs: list[float], spec: str) -> str:
-    """``median [min-max]``; a seed that never reached the threshold shows as ``never``."""
-    if med(xs) == float("inf"):
-        return "-"
-    if len(xs) == 1:
-        return format(xs[0], spec)
-    hi = max(xs)
-    hi_s = "never" if hi == float("inf") else format(hi, spec)
-    return f"{format(med(xs), spec)} [{format(min(xs), spec)}-{hi_s}]"
-
-
-def arm_hits(runs: list[dict[str, Any]], thr: float, key: str) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"t": [], "samples": [], "step": []}
-    for r in runs:
-        hit = first(r["evals"], thr, key)
-        for k in out:
-            out[k].append(float("inf") if hit is None else float(hit[k]))
-    return out
-
-
-def report(res: dict[str, dict[str, dict[str, Any]]], target: float) -> list[str]:
-    lines: list[str] = []
-    base_arm = next((n for n in res if n.startswith("trl")), None)
-    rows = [("exact", target)] + [("exact", t) for t in EXACT_TARGETS if t < target] + \
-        [("reward", t) for t in REWARD_TARGETS]
-    for key, thr in rows:
-        lines.append(f"held-out {'greedy exact match' if key == 'exact' else 'reward'} >= "
-                     f"{thr}: median [min-max] over seeds")
-        hdr = (f"  {'arm':<10} {'reached':>7} {'time s':>22} {'samples':>26} {'steps':>20}"
-               f" {'time/TRL':>9} {'samples/TRL':>11}")
-        lines += [hdr, "  " + "-" * (len(hdr) - 2)]
-        base = arm_hits(list(res[base_arm].values()), thr, key) if base_arm else None
-        for name, seeds in res.items():
-            h = arm_hits(list(seeds.values()), thr, key)
-            reached = sum(x != float("inf") for x in h["t"])
-            rt = rs = "-"
-            if base and name != base_arm and med(h["t"]) < float("inf") > med(base["t"]):
-                rt = f"{med(h['t']) / med(base['t']):.2f}"
-                rs = f"{med(h['samples']) / med(base['samples']):.2f}"
-            lines.append(f"  {name:<10} {reached:>3}/{len(seeds):<3} {span(h['t'], '.0f'):>22} "
-                         f"{span(h['samples'], '.0f'):>26} {span(h['step'], '.0f'):>20} "
-                         f"{rt:>9} {rs:>11}")
-        lines.append("")
-    marks = (50_000, 100_000, 150_000, 200_000, 300_000)
-    for key in ("reward", "exact"):
-        lines.append(f"held-out {key} (best so far) at equal samples generated (thousands); "
-                     "'-' = the run ended before")
-        lines.append(f"  {'arm':<10} {'seed':>4}" + "".join(f"{m // 1000:>7}" for m in marks))
-        for name, seeds in res.items():
-            for seed, r in seeds.items():
-                ev = r["evals"]
-                cells = [max((e[key] for e in ev if e["samples"] <= m), default=None)
-                         if any(e["samples"] >= m for e in ev) else None for m in marks]
-                lines.append(f"  {name:<10} {seed:>4}" + "".join(
-                    f"{'-' if c is None else format(c, '.3f'):>7}" for c in cells))
-        lines.append("")
-    lines.append("per run: seed, best exact, steps, steps/s, late entropy / grad norm "
-                 "(last 20% of steps), filtered, stale; CPU seconds per role (sluice) or "
-                 "wall seconds per phase (TRL)")
-    for name, seeds in res.items():
-        for seed, r in seeds.items():
-            late = r.get("late", {})
-            best = max((e["exact"] for e in r["evals"]), default=0.0)
-            prof = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["profile"].items(),
-                                                                key=lambda kv: -kv[1]))
-            lines.append(
-                f"  {name:<10} {seed:>3} best {best:.3f}  {r['steps']:>5} steps "
-                f"{r.get('steps_per_s') or 0:5.2f}/s  H {late.get('entropy', float('nan')):.3f}"
-                f"  |g| {late.get('grad_norm', float('nan')):6.2f}  filtered "
-                f"{r.get('filtered', 0):>6} stale {r.get('dropped_stale', 0):>5}  ({prof})")
-    return lines
-
-
 def parse_arms(a: argparse.Namespace) -> dict[str, dict[str, str] | None]:
     """Arm name -> sluice ``--set`` overrides (None for TRL arms)."""
     custom = {}
@@ -253,14 +179,15 @@ def parse_arms(a: argparse.Namespace) -> dict[str, dict[str, str] | None]:
         custom[name] = dict(kv.split("=", 1) for kv in sets.split(";") if kv)
     arms: dict[str, dict[str, str] | None] = {}
     for name in a.arms.split(","):
-        if name in ("trl", "trl1", "trl2"):
-            arms[name] = None
+        if name in ("trl", "trl1", "trl2") or name.startswith("trl#"):
+            arms[name] = None  # trl#2, trl#3: TRL again on the same seeds (the noise)
         elif name in custom:
             arms[name] = custom[name]
         elif name.startswith("s") and name[1:].isdigit():
             arms[name] = {"trainer.max_staleness": name[1:]}
         else:
-            raise SystemExit(f"unknown arm {name!r}: trl, trl1, trl2, s<N> or one --arm names")
+            raise SystemExit(f"unknown arm {name!r}: trl, trl1, trl2, trl#N, s<N> or one "
+                             "--arm names")
     return arms
 
 
@@ -270,7 +197,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_vs_trl")
     p.add_argument("--arms", default="trl,s1")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=K=V;K=V")
-    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--seeds", default="0,1,2,3,4")
+    p.add_argument("--auc-samples", type=float, default=150_000,
+                   help="area under the held-out reward curve over [0, this] samples")
     p.add_argument("--budget-s", type=float, default=480.0)
     p.add_argument("--probe-s", type=float, default=45.0)
     p.add_argument("--trl-threads", type=int, default=0, help="0 = probe 1 and 2")
@@ -289,7 +218,8 @@ def main() -> None:
     saved = json.loads(path.read_text()) if path.exists() else {"runs": {}}
     res: dict[str, dict[str, dict[str, Any]]] = saved["runs"]
     if a.report_only:
-        print(f"settings: {saved.get('args')}\n" + "\n".join(report(res, a.target)))
+        print(f"settings: {saved.get('args')}\n"
+              + "\n".join(report(res, a.target, a.budget_s, a.auc_samples)))
         return
     arms = parse_arms(a)
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -304,7 +234,7 @@ def main() -> None:
             print(f"== {name} seed {seed} (budget {a.budget_s:.0f}s)", flush=True)
             model, out = model_for(a, seed), a.out / f"{name}-seed{seed}"
             if overrides is None:
-                n = int(name[3:]) if name[3:] else threads
+                n = int(name[3:]) if name[3:].isdigit() else threads
                 r = run_trl(a, model, out, seed, n, a.budget_s)
             else:
                 r = run_sluice(a, model, out, seed, overrides)
@@ -320,7 +250,7 @@ def main() -> None:
             path.write_text(json.dumps(saved, indent=1))
     print(f"\ncpus={os.cpu_count()} {common_args(a)} target={a.target} "
           f"TRL threads={threads or '-'} probe={saved.get('trl_threads_probe')}")
-    print("\n".join(report(res, a.target)))
+    print("\n".join(report(res, a.target, a.budget_s, a.auc_samples)))
 
 
 def model_for(a: argparse.Namespace, seed: int) -> Path:
