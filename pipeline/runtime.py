@@ -173,6 +173,12 @@ async def join(task: asyncio.Task[Any], timeout_s: float) -> None:
         log.debug("task ended with %s", e)
 
 
+LEAVE_TIMEOUT_S = 10.0
+"""The most a role waits on Redis while leaving (the final heartbeat, releasing a lock):
+during an outage an unbounded call would keep a stopped or crashed role alive and
+unseen by its supervisor's restart policy (`sluice up`, torchrun, Slurm, Kubernetes)."""
+
+
 class Heartbeat:
     """Refreshes ``workers[role/id]`` every ``period_s`` with the role's counters; a
     failed write marks the role unhealthy but never stops it.
@@ -222,10 +228,10 @@ class Heartbeat:
         if self._task:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, self.period_s + 10)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # bounded: see LEAVE_TIMEOUT_S
             if forget:
-                await self.bus.forget_worker(self.wid)
+                await asyncio.wait_for(self.bus.forget_worker(self.wid), LEAVE_TIMEOUT_S)
             else:
-                await self.beat(exited=True, healthy=False)
+                await asyncio.wait_for(self.beat(exited=True, healthy=False), LEAVE_TIMEOUT_S)
         if self.metrics is not None:  # shutdown() waits for the server's poll loop
             await asyncio.to_thread(self.metrics.close)

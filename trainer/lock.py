@@ -21,6 +21,7 @@ import socket
 import time
 
 from pipeline.bus.client import Bus
+from pipeline.runtime import LEAVE_TIMEOUT_S
 
 log = logging.getLogger("sluice.trainer")
 
@@ -83,5 +84,6 @@ class TrainerLock:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-        with contextlib.suppress(Exception):
-            await self.bus.release_trainer_lock(self.holder)
+        with contextlib.suppress(Exception):  # bounded: a crashed trainer must exit
+            await asyncio.wait_for(self.bus.release_trainer_lock(self.holder),
+                                   LEAVE_TIMEOUT_S)

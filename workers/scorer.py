@@ -70,7 +70,7 @@ from pipeline.rl.advantages import (
     is_zero_variance,
 )
 from pipeline.rl.distillation import mean_over_mask, reverse_kl, token_advantages
-from pipeline.runtime import Heartbeat, connect, join, limits
+from pipeline.runtime import LEAVE_TIMEOUT_S, Heartbeat, connect, join, limits
 from workers.hooks import load_hook
 from workers.scoring import hook_advantages, rewards_of, teacher_of
 from workers.tasks.catalog import Task
@@ -368,8 +368,10 @@ class Scorer:
             await join(watcher, self.cfg.bus.block_ms / 1000 + 5)
             left = "unknown"
             with contextlib.suppress(Exception):
-                gone = [await bus.retire_consumer(k.rollouts, SCORERS_GROUP, self.consumer)
-                        for k in bus.lanes.keys]
+                gone = []
+                for k in bus.lanes.keys:  # bounded: a scorer leaving never hangs on Redis
+                    gone.append(await asyncio.wait_for(bus.retire_consumer(
+                        k.rollouts, SCORERS_GROUP, self.consumer), LEAVE_TIMEOUT_S))
                 left = "yes" if all(gone) else "no (entries pending)"
             await hb.stop(forget=left == "yes")
             await bus.close()
