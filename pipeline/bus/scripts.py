@@ -151,14 +151,16 @@ return 1
 
 RENEW = """
 -- KEYS: leases; ARGV: owner, lease_ms, cursor... Extends the leases `owner` still holds;
--- returns the cursors it no longer holds (taken over after it missed renewals).
+-- returns the cursors another owner holds now (taken over after it missed renewals). A
+-- cursor with no lease at all was released — appended or abandoned, most often by the
+-- caller itself between reading its lease set and this call — and is not reported.
 """ + _NOW_MS + """
 local lost = {}
 for i = 3, #ARGV do
   local v = redis.call('HGET', KEYS[1], ARGV[i])
   if """ + _OWNS.format(o="ARGV[1]") + """ then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[1] .. '|' .. (now_ms + tonumber(ARGV[2])))
-  else
+  elseif v then
     lost[#lost + 1] = ARGV[i]
   end
 end
