@@ -179,6 +179,8 @@ def verify_version(run_dir: Path, version: int) -> Source:
                                nbytes=0, t=0.0)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise WeightError(f"weights v{version}: unreadable {MANIFEST}: {e!r}") from None
+    if msg.format == "delta":  # the changed elements only (weights.full_every > 1)
+        raise WeightError(f"weights v{version}: a delta version, not loadable alone")
     path = store.verify(msg)
     return Source("version", path, version, msg.step, msg.format == "lora")
 

@@ -8,8 +8,9 @@ Two halves, so that neither role imports the other (docs/design.md, "Weights"):
 - engine side, `WeightTransport.receive`: check an announced version and return the
   directory that an engine's ``load_weights(path, version, format)`` reads.
 
-Implementations: `file` (full weights, sharded safetensors), `lora` (a peft adapter),
-`nccl` (a push to vLLM servers, with `file` as the store engines fall back to). Every
+Implementations: `file` (full weights, sharded safetensors, optionally deltas between
+full versions), `lora` (a peft adapter), `nccl` (a push to vLLM servers, with `file` as
+the store engines fall back to). Every
 transport leaves each version in the run's `WeightStore`, so an engine that missed a
 push, or restarted, reloads it from there.
 
@@ -20,7 +21,11 @@ Invariants every implementation keeps (``tests/unit/test_transports.py`` checks 
 2. Verified before use: `receive` returns only a directory inside the store whose every
    file hashes (streamed) to its manifest entry, whose manifest hashes to the announced
    sha256 (`pipeline.weights.store.table_sha256`) and which holds no unlisted file;
-   anything else raises `WeightError` and changes nothing.
+   anything else raises `WeightError` and changes nothing. From an s3:// store that
+   directory is the version's copy in the local cache, downloaded and then verified
+   there (`pipeline.weights.s3`); a delta's is its rebuilt full state in the cache,
+   returned only once that state's sha256 is the announced one
+   (`pipeline.weights.delta`).
 3. Off the event loop: both halves do their disk and hashing work in a worker thread, so
    heartbeats, lease renewals and in-flight decoding keep running during a big write
    or check.

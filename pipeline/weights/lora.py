@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save
 
 from pipeline.bus.schema import WeightsPublished
 from pipeline.weights.base import WeightSource, WeightTransport
+from pipeline.weights.shards import HEADER_PT
 from pipeline.weights.store import ADAPTER_CONFIG, ADAPTER_FILE, WeightError, WeightStore
 
 if TYPE_CHECKING:
@@ -38,8 +39,7 @@ def adapter_files(model: PeftModel, *, version: int,
     pcfg.inference_mode = True
     if base_model is not None:
         pcfg.base_model_name_or_path = str(Path(base_model).resolve())
-    # metadata "format": "pt" is what peft's own save_pretrained writes
-    yield ADAPTER_FILE, save(tensors, metadata={"format": "pt", "version": str(version)})
+    yield ADAPTER_FILE, save(tensors, metadata=HEADER_PT)
     config = {k: list(v) if isinstance(v, set) else v for k, v in pcfg.to_dict().items()}
     yield ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True).encode()
 
@@ -58,9 +58,10 @@ class LoraTransport(WeightTransport):
     name = "lora"
     format = "lora"
 
-    def __init__(self, root: str | Path, *, keep: int = 4,
+    def __init__(self, root: str | Path | WeightStore, *, keep: int = 4,
                  base_model: str | Path | None = None) -> None:
-        super().__init__(WeightStore(root, keep=keep))
+        """``root``: the store's directory, or a store (its own ``keep`` then)."""
+        super().__init__(root if isinstance(root, WeightStore) else WeightStore(root, keep=keep))
         self.base_model = base_model
 
     def write(self, source: WeightSource, *, version: int, step: int) -> WeightsPublished:

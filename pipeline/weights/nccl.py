@@ -69,6 +69,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
@@ -403,6 +404,7 @@ class NCCLTransport(WeightTransport):
 
     async def close(self) -> None:
         await self.sync.close()
+        await self.fallback.close()
 
     async def publish(self, source: WeightSource, *, version: int,
                       step: int) -> WeightsPublished:
@@ -429,3 +431,7 @@ class NCCLTransport(WeightTransport):
 
     def write(self, source: WeightSource, *, version: int, step: int) -> WeightsPublished:
         return self.fallback.write(source, version=version, step=step)
+
+    async def receive(self, msg: WeightsPublished) -> Path:
+        """The file store's side (a delta rebuilt there): servers that missed a push."""
+        return await self.fallback.receive(msg)

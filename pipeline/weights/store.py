@@ -1,8 +1,10 @@
 """The weight store: one directory per version, every file listed in a sha256 manifest.
 
-Layout: ``<output_dir>/weights/v<N>/`` holds the format's files (`file`: sharded
-safetensors + ``model.safetensors.index.json``; `lora`: ``adapter_model.safetensors`` +
-``adapter_config.json``) and ``manifest.json``::
+Layout: ``<store>/v<N>/`` (``<store>`` = ``weights.store``, by default
+``<output_dir>/weights``) holds the format's files (`file`: sharded safetensors +
+``model.safetensors.index.json``; a `file` delta: ``delta-*.safetensors`` + ``delta.json``,
+`pipeline.weights.delta`; `lora`: ``adapter_model.safetensors`` + ``adapter_config.json``)
+and ``manifest.json``::
 
     {"version": N, "step": S, "format": "safetensors",
      "files": {"<name>": "<sha256 hex>", ...}, "bytes": {"<name>": <size>, ...}}
@@ -14,6 +16,12 @@ one line ``<sha256 hex>  <name>\\n`` per file, sorted by name, UTF-8 — exactly
 
 Writing (`WeightStore.commit`) hashes each file's bytes as they are written; nothing is
 read back. Verifying (`WeightStore.verify`) streams every listed file through sha256.
+This class is a directory store (local disk or a shared filesystem);
+`pipeline.weights.s3.S3WeightStore` keeps the same layout as objects in a bucket.
+
+Retention: versions older than ``keep`` behind the newest are pruned, except that a
+commit may name ``keep_from``, the oldest version still needed (the full version a chain
+of deltas starts from), which is kept with everything after it.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -34,6 +42,7 @@ MANIFEST = "manifest.json"
 INDEX = "model.safetensors.index.json"  # HF's name; vLLM and transformers read it
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's names; vLLM's load_lora_adapter
 ADAPTER_CONFIG = "adapter_config.json"
+DELTA_INFO = "delta.json"  # a delta version's description (pipeline/weights/delta.py)
 MAX_MANIFEST_BYTES = 16 * 2**20
 MAX_INDEX_BYTES = 256 * 2**20
 
@@ -58,9 +67,31 @@ def table_sha256(files: Mapping[str, str]) -> str:
     return hashlib.sha256(table.encode()).hexdigest()
 
 
+def expired(version: int, newest: int, keep: int, keep_from: int | None = None) -> bool:
+    """Whether retention drops ``version``: older than the window of ``keep`` versions
+    behind ``newest``, and older than ``keep_from`` (the oldest version still needed)."""
+    floor = newest - keep if keep_from is None else min(newest - keep, keep_from)
+    return version < floor
+
+
 def _plain_name(name: object) -> bool:
     return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
             and "\\" not in name and name != MANIFEST)
+
+
+def tallied(files: Iterable[tuple[str, bytes]], digests: dict[str, str],
+            sizes: dict[str, int]) -> Iterator[tuple[str, bytes]]:
+    """Each ``(name, bytes)`` of ``files``, once its name is checked (plain, not repeated:
+    ValueError) and its sha256 and size are recorded in ``digests`` and ``sizes``: the
+    manifest every store writes. Lazy, and holds no file after handing it on, so a
+    publish keeps one file in memory at a time."""
+    for name, data in files:
+        if not _plain_name(name) or name in digests:
+            raise ValueError(f"bad or repeated weight file name {name!r}")
+        digests[name] = hashlib.sha256(data).hexdigest()
+        sizes[name] = len(data)
+        yield name, data
+        del data
 
 
 class WeightStore:
@@ -79,12 +110,22 @@ class WeightStore:
     def dir_for(self, version: int) -> Path:
         return self.root / f"v{version:08d}"
 
+    def uri_for(self, version: int) -> str:
+        """The URI an announcement of ``version`` names."""
+        return self.dir_for(version).as_uri()
+
+    @property
+    def location(self) -> str:
+        """Where versions are published (for messages): the directory, or the bucket URL."""
+        return str(self.root)
+
     # ------------------------------------------------------------------ writing
     def commit(self, files: Iterable[tuple[str, bytes]], *, fmt: str, version: int,
-               step: int) -> WeightsPublished:
+               step: int, keep_from: int | None = None) -> WeightsPublished:
         """Write ``files`` (name, bytes; produced lazily, one in memory at a time) as
         ``v<version>/`` atomically: each is hashed as written, then the manifest, then
-        the temporary directory is renamed into place and old versions are pruned."""
+        the temporary directory is renamed into place and old versions are pruned
+        (`prune`, with ``keep_from``)."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.dir_for(version)
         tmp = self.root / f".tmp-v{version:08d}-{os.getpid()}"
@@ -93,11 +134,7 @@ class WeightStore:
         digests: dict[str, str] = {}
         sizes: dict[str, int] = {}
         try:
-            for name, data in files:
-                if not _plain_name(name) or name in digests:
-                    raise ValueError(f"bad or repeated weight file name {name!r}")
-                digests[name] = hashlib.sha256(data).hexdigest()
-                sizes[name] = len(data)
+            for name, data in tallied(files, digests, sizes):
                 with open(tmp / name, "wb") as f:
                     f.write(data)
                 del data
@@ -110,18 +147,19 @@ class WeightStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.prune(version)
+        self.prune(version, keep_from)
         nbytes = sum(sizes.values())
         return WeightsPublished(version=version, step=step, uri=final.as_uri(), format=fmt,
                                 sha256=table_sha256(digests), nbytes=nbytes, t=time.time())
 
-    def prune(self, newest: int) -> None:
+    def prune(self, newest: int, keep_from: int | None = None) -> None:
+        """Remove versions older than ``newest - keep`` (and than ``keep_from``)."""
         for d in self.root.glob("v*"):
             try:
                 v = int(d.name[1:])
             except ValueError:
                 continue
-            if v < newest - self.keep:
+            if expired(v, newest, self.keep, keep_from):
                 shutil.rmtree(d, ignore_errors=True)
 
     # ------------------------------------------------------------------ reading
@@ -203,6 +241,9 @@ def _check_layout(directory: Path, fmt: str, files: set[str], what: str) -> None
         if missing:
             raise WeightError(f"{what}: a lora version without {sorted(missing)}")
         return
+    if fmt == "delta":
+        _check_delta_layout(directory, files, what)
+        return
     if fmt != "safetensors":
         raise WeightError(f"{what}: unknown weight format {fmt!r}")
     if INDEX not in files:
@@ -217,4 +258,21 @@ def _check_layout(directory: Path, fmt: str, files: set[str], what: str) -> None
     listed = {f for f in files if f.endswith(".safetensors")}
     if not shards or shards != listed:
         raise WeightError(f"{what}: the index names shards {sorted(shards)[:3]}, the "
+                          f"manifest {sorted(listed)[:3]}")
+
+
+def _check_delta_layout(directory: Path, files: set[str], what: str) -> None:
+    """A delta version: ``delta.json`` (bounded, a JSON map) names exactly the listed
+    ``.safetensors`` files as its shards."""
+    if DELTA_INFO not in files:
+        raise WeightError(f"{what}: a delta version without {DELTA_INFO}")
+    if (directory / DELTA_INFO).stat().st_size > MAX_MANIFEST_BYTES:
+        raise WeightError(f"{what}: {DELTA_INFO} is larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        shards = set(json.loads((directory / DELTA_INFO).read_bytes())["shards"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise WeightError(f"{what}: unreadable {DELTA_INFO}: {e}") from e
+    listed = {f for f in files if f.endswith(".safetensors")}
+    if shards != listed:
+        raise WeightError(f"{what}: {DELTA_INFO} names shards {sorted(shards)[:3]}, the "
                           f"manifest {sorted(listed)[:3]}")
