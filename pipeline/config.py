@@ -567,6 +567,38 @@ class MetricsConfig(_Section):
     network, where anyone who can reach the port reads it (no authentication)."""
 
 
+class WeightsConfig(_Section):
+    store: str = ""
+    """Where the trainer publishes weight versions and generators and the evaluator read
+    them (docs/weights-store.md): empty = ``<output_dir>/weights``; a directory (a shared
+    filesystem, NFS or Lustre, when roles run on several machines); or
+    ``s3://bucket/prefix`` on an S3-compatible object store, whose credentials come from the
+    standard AWS environment variables or credentials file, never from this file."""
+    endpoint_url: str = Field("", pattern=r"^$|^https?://[^\s@]+$")
+    """s3:// stores: the S3 endpoint, e.g. ``http://10.0.0.5:8333`` for SeaweedFS or MinIO
+    (no user or password in it); empty = AWS (or the ``AWS_ENDPOINT_URL`` environment
+    variable)."""
+    cache_dir: str = ""
+    """Local directory where generators and the evaluator keep versions downloaded from an
+    s3:// store and versions rebuilt from deltas (each verified there before loading);
+    empty = ``<output_dir>/weights-cache``."""
+    full_every: int = Field(1, ge=1, le=100_000)
+    """1 = every version is full weights. K > 1: a full version every K versions and
+    between them deltas (only the elements that changed since the previous version, in
+    model.dtype), which engines apply to the version they hold, checked by the full
+    state's sha256. Full-weight runs only (a LoRA adapter is published whole)."""
+
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, v: str) -> str:
+        scheme = v.split("://", 1)[0] if "://" in v else ""
+        if scheme and scheme != "s3":
+            raise ValueError(f"a directory or s3://bucket/prefix, not a {scheme}:// URL")
+        if scheme == "s3" and not v[len("s3://"):].split("/", 1)[0]:
+            raise ValueError("s3:// needs a bucket: s3://bucket/prefix")
+        return v
+
+
 class UpConfig(_Section):
     scorers: int = Field(2, ge=0, le=64)
     """Scorer processes `sluice up` starts."""
@@ -603,6 +635,132 @@ class UpConfig(_Section):
         return v
 
 
+class ArchiveConfig(_Section):
+    enabled: bool = False
+    """Keep every scored group: `sluice archive` (started by `sluice up`) is one more
+    consumer group (`archivers`) on `scored` and writes each group to Parquet files
+    (docs/archive.md), which `sluice replay` trains on again and `sluice trace` reads.
+    False: no archiver and no consumer group (nothing costs anything)."""
+    path: str = ""
+    """Where the archive is written: a folder, or an fsspec URL (``s3://bucket/prefix``;
+    the filesystem's package, e.g. s3fs, must be installed; credentials from its usual
+    environment, never from this file); empty = ``<output_dir>/archive``."""
+    file_mb: float = Field(64.0, gt=0, le=4096)
+    """A Parquet file is written once the groups read for it reach this many MB (their
+    message size); its groups stay pending on the archiver until it is written."""
+    file_s: float = Field(60.0, gt=0, le=86400)
+    """A Parquet file is also written at least this often (seconds), so the groups of a
+    quiet run reach the archive too."""
+    max_backlog: int = Field(20_000, ge=2)
+    """The cap on `scored` entries not yet archived (the archiver's lag + pending), which
+    the janitor keeps. At the cap the trainer stops taking steps until the archive catches
+    up: nothing is lost, the admission gate closes behind it, and Redis holds at most
+    this many groups more than without an archive. The archiver writes a file once it
+    holds half of it."""
+
+
+IMAGE_PATTERN = r"^[a-z0-9][a-z0-9._/:@-]{0,254}$"
+"""A container image reference (``registry/name:tag`` or ``name@sha256:…``)."""
+
+
+class DeployConfig(_Section):
+    """`sluice deploy render` (docs/deploying.md). Counts come from the keys `sluice up`
+    already reads: ``up.trainer_ranks``, ``up.generators``, ``up.scorers`` and
+    ``generation.vllm.launch`` (the vLLM servers, shared out over the generators); the
+    roles' devices decide their GPUs. These keys say only how the roles are laid out on
+    machines; no role reads them."""
+
+    image: str = Field("sluice:0.1.0", pattern=IMAGE_PATTERN)
+    """k8s, compose: the image of the roles that use no GPU (deploy/docker/Dockerfile)."""
+    gpu_image: str = Field("sluice-gpu:0.1.0", pattern=IMAGE_PATTERN)
+    """k8s, compose: the image of the roles that use a GPU and of the vLLM servers
+    (deploy/docker/Dockerfile.gpu, on vLLM's published image)."""
+    redis: Literal["bundled", "external"] = "bundled"
+    """`bundled`: the deployment runs its own Redis (AOF on, the ACL file of
+    ``bus.credentials_file``'s folder); `external`: the roles use ``bus.redis_url``, a
+    Redis 7+ you run."""
+    redis_image: str = Field("redis:7.4", pattern=IMAGE_PATTERN)
+    """k8s, compose: the image of the bundled Redis (7 or later: the ACL selectors)."""
+    redis_port: int = Field(6379, ge=1, le=65535)
+    """The bundled Redis's TCP port."""
+    acl: bool = True
+    """Every role logs in as its own Redis user: ``bus.credentials_file`` must name the
+    credentials file `sluice acl` wrote (its users.acl beside it, for a bundled Redis);
+    the render turns it into one credentials file or Secret per role. False: Redis's
+    default user, no password (only for a Redis nothing else can reach)."""
+    namespace: str = Field("sluice", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+    """k8s: the namespace of every object."""
+    trainer_nodes: int = Field(1, ge=1, le=64)
+    """Machines the ``up.trainer_ranks`` ranks are spread over (torchrun, rendezvous on
+    the first): slurm nodes of the trainer's component, k8s pods of the indexed Job. Must
+    divide ``up.trainer_ranks``."""
+    generator_nodes: int = Field(1, ge=1, le=64)
+    """slurm: nodes of the generators' component; ``up.generators`` and
+    ``generation.vllm.launch`` are spread evenly over them (each must be a multiple)."""
+    scorers_with: Literal["trainer", "generators"] = "trainer"
+    """slurm: the component the scorers run on (the trainer's first node, or spread over
+    the generators' nodes)."""
+    evaluator_with: Literal["trainer", "generators"] = "trainer"
+    """slurm: the component the evaluator (and its vLLM server) runs on."""
+    partition: str = Field("", pattern=r"^[A-Za-z0-9_.,-]{0,64}$")
+    """slurm: partition of the trainer's component ("" = the cluster's default)."""
+    gpu_partition: str = Field("", pattern=r"^[A-Za-z0-9_.,-]{0,64}$")
+    """slurm: partition of the generators' component ("" = ``partition``)."""
+    time_limit_min: int = Field(0, ge=0, le=525_600)
+    """slurm: the job's time limit in minutes (0 = the partition's)."""
+    rendezvous_port: int = Field(29400, ge=1, le=65535)
+    """torchrun's c10d rendezvous port on the trainer's first node (trainer_ranks > 1)."""
+    vllm_port: int = Field(8000, ge=1, le=65000)
+    """A role's vLLM servers listen on loopback, on this port and the next ones; each runs
+    beside the role that uses it (same node, pod or network namespace)."""
+    metrics_port: int = Field(9100, ge=0, le=65535)
+    """k8s: the port every pod serves ``/metrics`` on, at its pod IP (0 = none); slurm
+    and compose keep ``metrics.port``."""
+    service_monitor: bool = False
+    """k8s: also render a Prometheus Operator ServiceMonitor for the roles' ``/metrics``."""
+    autoscale: bool = True
+    """k8s: a KEDA ScaledObject scales the scorers' Deployment between scorers_min and
+    scorers_max on the lag of the `scorers` group on `rollouts` (one trigger per lane);
+    false: ``up.scorers`` replicas."""
+    scorers_min: int = Field(1, ge=1, le=1000)
+    """Fewest scorer replicas. At least 1: entries a killed scorer left pending are not
+    lag, and only a running scorer reclaims them (after ``bus.claim_idle_ms``)."""
+    scorers_max: int = Field(8, ge=1, le=1000)
+    """Most scorer replicas."""
+    scorer_lag: int = Field(16, ge=1, le=1_000_000)
+    """KEDA's target: `rollouts` entries not yet delivered to the `scorers` group per
+    scorer replica (its ``lagCount``, split over the lanes)."""
+    scorer_activation_lag: int = Field(0, ge=0, le=1_000_000)
+    """KEDA's ``activationLagCount`` per lane (below it a trigger is inactive)."""
+    polling_interval_s: int = Field(15, ge=1, le=3600)
+    """How often KEDA reads the lag."""
+    keda_namespace: str = Field("keda", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+    """k8s: the namespace of KEDA's operator, which the NetworkPolicy lets reach Redis."""
+    grace_s: int = Field(60, ge=1, le=3600)
+    """Pod termination grace (k8s), stop_grace_period (compose), and how long the slurm
+    job waits for the roles to exit after the trainer ends. A scorer stopped by SIGTERM
+    finishes the groups it holds within it (so at least ``scoring.reward_timeout_s``)."""
+    storage_gib: int = Field(50, ge=1, le=1_000_000)
+    """k8s: size of the ReadWriteMany volume every pod mounts at /data (run.output_dir,
+    the weight store, the HF cache)."""
+    storage_class: str = Field("", pattern=r"^$|^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
+    """k8s: its storage class ("" = the cluster's default)."""
+    trainer_memory_gib: float = Field(0.0, ge=0, le=65536)
+    """Memory of each trainer node/pod (0 = not requested)."""
+    role_memory_gib: float = Field(0.0, ge=0, le=65536)
+    """Memory of each generator, scorer and evaluator process (0 = not requested)."""
+    vllm_memory_gib: float = Field(0.0, ge=0, le=65536)
+    """Host memory of each vLLM server (0 = not requested)."""
+    redis_memory_gib: float = Field(0.0, ge=0, le=65536)
+    """Memory of the bundled Redis (0 = not requested)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DeployConfig:
+        if self.scorers_min > self.scorers_max:
+            raise ValueError("scorers_min must be <= scorers_max")
+        return self
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     bus: BusConfig = Field(default_factory=BusConfig)
@@ -615,6 +773,9 @@ class Config(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     up: UpConfig = Field(default_factory=UpConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    archive: ArchiveConfig = Field(default_factory=ArchiveConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
 
     @model_validator(mode="after")
     def _check_engine(self) -> Config:
@@ -651,6 +812,9 @@ class Config(_Section):
             if target.metric not in known:
                 raise ValueError(f"up.stop_at: the evaluator does not report {target.metric!r}"
                                  f"; it reports {', '.join(known)}")
+        if self.weights.full_every > 1 and self.model.lora is not None:
+            raise ValueError("weights.full_every: deltas are for full weights; a LoRA run "
+                             "publishes its adapter whole (leave it at 1)")
         if v.weight_transfer == "nccl" and self.model.lora is not None:
             raise ValueError("generation.vllm.weight_transfer: nccl carries full weights; "
                              "LoRA runs use the file store")

@@ -12,11 +12,11 @@ model; the trainer once it knows its rank (only rank 0 of a torchrun job serves)
 Names are ``sluice_<stage>_<what>`` (`SPECS`), the stage as in docs/design.md §11: ``rollout_``
 (generators; the evaluator's engine version too), ``sample_`` (scorers), ``batch_``
 (trainer), ``eval_`` (evaluator), ``perf_`` (durations), ``bus_`` (streams, consumer
-groups, the gate, leases, the Redis connection). Every series carries ``role`` and
-``worker`` (the worker id's name: stable under `sluice up`), plus ``stream``, ``group``,
-``outcome``, ``reason`` or ``metric`` where a spec says so: never a group or prompt id, so
-cardinality stays small. prometheus-client's process collector adds ``process_*`` (CPU,
-memory).
+groups, the gate, leases, the Redis connection), ``archive_`` (the archiver). Every
+series carries ``role`` and ``worker`` (the worker id's name: stable under `sluice up`),
+plus ``stream``, ``group``, ``outcome``, ``reason`` or ``metric`` where a spec says so:
+never a group or prompt id, so cardinality stays small. prometheus-client's process
+collector adds ``process_*`` (CPU, memory).
 
 Where the numbers come from:
 
@@ -35,6 +35,7 @@ Where the numbers come from:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -44,6 +45,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -61,6 +63,7 @@ log = logging.getLogger("sluice.metrics")
 PREFIX = "sluice_"
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 VERSIONS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+WAIT_WINDOW = 2048  # waits per hop kept for the heartbeat's p50 / p99
 
 
 class MetricsPortError(ConfigError):
@@ -131,6 +134,19 @@ SPECS: tuple[Spec, ...] = (
     Spec(Histogram, "perf_weight_apply_seconds", "Generator, evaluator: verify and load an "
          "announced version into the engine"),
     Spec(Histogram, "perf_generate_seconds", "Generator: decode one batch of groups"),
+    Spec(Histogram, "perf_queue_wait_seconds", "Time an entry waited in a stream before its "
+         "consumer read it, from its id's time (the Redis clock at the append) to the read: "
+         "rollouts -> scorer, scored -> trainer, scored -> archiver (role)", ("stream",)),
+    Spec(Histogram, "perf_admission_wait_seconds", "Generator: from asking the gate for a "
+         "batch to being admitted (the wait at a closed gate)"),
+    # archive_: the archiver (archive.enabled)
+    Spec(Counter, "archive_groups", "Groups written to the archive"),
+    Spec(Counter, "archive_files", "Archive files written"),
+    Spec(Counter, "archive_skipped", "Entries of scored not archived: undecodable (acked)"),
+    Spec(Gauge, "archive_buffered", "Groups read and not yet in a written file (pending on "
+         "the archiver)"),
+    Spec(Gauge, "batch_archive_paused", "Trainer: 1 while it waits for the archive (its "
+         "backlog reached archive.max_backlog)"),
     # bus_: streams, groups, gate, leases, connection
     Spec(Gauge, "bus_stream_length", "Entries in a stream (XLEN)", ("stream",)),
     Spec(Gauge, "bus_group_lag", "Entries never delivered to the group", ("stream", "group")),
@@ -170,7 +186,10 @@ SYNCED: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
                 "skipped_steps": ("batch_skipped_steps", {}),
                 "failed_steps": ("batch_failed_steps", {}),
                 "weight_fallbacks": ("batch_weight_fallbacks", {}),
-                "step": ("batch_step", {}), "version": ("batch_version", {})},
+                "step": ("batch_step", {}), "version": ("batch_version", {}),
+                "archive_paused": ("batch_archive_paused", {})},
+    "archiver": {"archived": ("archive_groups", {}), "files": ("archive_files", {}),
+                 "skipped": ("archive_skipped", {}), "buffered": ("archive_buffered", {})},
     "evaluator": {"version": ("rollout_policy_version", {})},
 }
 """Heartbeat key of each role → the metric (and labels) that mirrors it: a counter grows
@@ -228,6 +247,7 @@ class RoleMetrics:
         self.url: str | None = None
         self._server: Any = None
         self._last: dict[str, float] = {}
+        self._waits: dict[str, collections.deque[float]] = {}
         # this role's counters exist (at 0) from the start, so a rate over the first
         # scrapes is right and a scrape before the first beat shows what the role counts
         for name, labels in [*SYNCED.get(role, {}).values(), ("bus_reconnects", {}),
@@ -247,6 +267,28 @@ class RoleMetrics:
 
     def observe(self, name: str, value: float) -> None:
         self.child(name).observe(value)
+
+    def wait(self, hop: str, seconds: float) -> None:
+        """A wait at one hop of a group's life: ``admission`` (a generator's wait for the
+        gate) or the stream an entry waited in (``rollouts``, ``scored``). Observed in its
+        histogram and kept in a window of the last `WAIT_WINDOW` for `wait_summary`."""
+        seconds = max(0.0, float(seconds))
+        if hop == "admission":
+            self.child("perf_admission_wait_seconds").observe(seconds)
+        else:
+            self.child("perf_queue_wait_seconds", stream=hop).observe(seconds)
+        self._waits.setdefault(hop, collections.deque(maxlen=WAIT_WINDOW)).append(seconds)
+
+    def wait_summary(self) -> dict[str, dict[str, float]]:
+        """p50 / p99 (seconds) and count of each hop's last `WAIT_WINDOW` waits: what the
+        heartbeat carries for `sluice status`."""
+        out = {}
+        for hop, xs in self._waits.items():
+            if xs:
+                p50, p99 = np.percentile(np.fromiter(xs, float, len(xs)), [50, 99])
+                out[hop] = {"p50": round(float(p50), 4), "p99": round(float(p99), 4),
+                            "n": len(xs)}
+        return out
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:

@@ -47,13 +47,16 @@ RESUMABLE: tuple[str, ...] = (
     "trainer.threads", "trainer.device", "generation.threads", "generation.device",
     "generation.vllm.urls", "generation.vllm.launch", "generation.vllm.python",
     "generation.vllm.start_timeout_s", "scoring.teacher_urls", "scoring.teacher_device",
-    "up.*", "bus.*", "eval.*", "metrics.*", "run.report_to",
-    "run.tracking_project", "run.output_dir")
+    "up.*", "bus.*", "eval.*", "metrics.*", "deploy.*", "run.report_to",
+    "run.tracking_project", "run.output_dir", "archive.path", "archive.file_mb",
+    "archive.file_s", "archive.max_backlog")
 """Keys that may change on resume without ``--allow-config-change``: time and step
 budgets, checkpoint cadence, threads, devices, where servers and Redis are (connection
-details), how `sluice up` lays the roles out, where roles serve metrics, how the run is
-evaluated and tracked (never what it trains on), and ``run.output_dir`` (the directory the
-run.json was found in, however it is spelled). ``trainer.max_steps`` also stretches a
+details), how `sluice up` or a deployment lays the roles out, where roles serve metrics,
+how the run is evaluated and tracked (never what it trains on), where and how it is
+archived (not whether: ``archive.enabled`` changes what the audit demands), and
+``run.output_dir`` (the
+directory the run.json was found in, however it is spelled). ``trainer.max_steps`` also stretches a
 decaying learning-rate schedule, which is what raising the budget of a run means."""
 MARKERS: tuple[str, ...] = (RUN_FILE, "state.json", "ledger", "checkpoints", "weights",
                             "metrics.jsonl")

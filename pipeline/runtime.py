@@ -185,7 +185,8 @@ class Heartbeat:
 
     With ``metrics`` (the role's `pipeline.metrics.RoleMetrics`), each beat also mirrors
     the counters into it and refreshes its bus gauges, the heartbeat carries the
-    ``/metrics`` URL (``metrics``: `sluice status` lists it), and `stop` closes the
+    ``/metrics`` URL (``metrics``: `sluice status` lists it) and the p50 / p99 of the
+    role's waits at each hop (``waits``: `RoleMetrics.wait_summary`), and `stop` closes the
     endpoint after the final beat: the heartbeat's life is the role's.
 
     `stop` never cancels a write in flight (a command cancelled half-way can leave a
@@ -203,9 +204,10 @@ class Heartbeat:
 
     async def beat(self, **extra: Any) -> None:
         m = self.metrics
+        waits = m.wait_summary() if m is not None else {}
         info = {"healthy": self.bus.healthy, "reconnects": self.bus.reconnects,
                 "started": self.started, **({"metrics": m.url} if m and m.url else {}),
-                **self.info(), **extra}
+                **({"waits": waits} if waits else {}), **self.info(), **extra}
         try:
             await self.bus.heartbeat(self.wid, info)
         except Exception as e:

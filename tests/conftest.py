@@ -39,6 +39,17 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real S3 server (SeaweedFS, `tests.seaweed`) per test session, on free loopback
+    ports, with one access key; stopped by PID at the end. Each test makes its own bucket
+    (`SeaweedFS.bucket`)."""
+    from tests.seaweed import SeaweedFS
+
+    with SeaweedFS(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
 @pytest.fixture
 def run_name() -> str:
     return f"t{uuid.uuid4().hex[:10]}"

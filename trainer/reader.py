@@ -9,6 +9,8 @@ intent line in the ledger first (`pipeline.bus.ledger`):
 - a ``group_id`` already trained (or twice in one buffer) → acked, not retired again;
 - older than ``max_staleness`` → retired ``stale``;
 - trained → retired ``trained`` after the optimizer step and the announcement;
+- with ``archive.enabled`` nothing is read while the archive is ``archive.max_backlog``
+  entries behind (`Reader.hold_for_archive`);
 - in a step whose loss or gradient norm was not finite → ``dlq`` with that reason;
 - in a step that raised: a group that raises on its own → ``dlq`` with the error; if none
   does, all are re-read (and reach ``dlq`` past ``max_deliveries`` if it keeps failing).
@@ -22,6 +24,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from pipeline.archive import backlog as archive_backlog
 from pipeline.bus.client import Bus, Entry
 from pipeline.bus.codec import peek_group_id
 from pipeline.bus.inbound import triage
@@ -29,12 +32,14 @@ from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import Limits, ScoredGroup
 from pipeline.config import Config
+from pipeline.metrics import RoleMetrics
 
 log = logging.getLogger("sluice.trainer")
 
 Buffered = tuple[Entry, ScoredGroup]
 TRIM_EVERY_STEPS = 10
 TRAINED_IDS_KEPT = 100_000  # ids of trained groups remembered to refuse duplicates
+ARCHIVE_CHECK_S = 0.5  # how often the archive's backlog is looked at (archive.enabled)
 
 
 def is_stale(version: int, min_version: int, max_staleness: int) -> bool:
@@ -49,15 +54,18 @@ class Reader:
     by `restore`) and ``counts`` (how entries were settled). What it needs of the trainer
     comes in as arguments: the version it trains at, the step it took."""
 
-    def __init__(self, cfg: Config, consumer: str, wid: str, limits: Limits, ledger: Ledger):
+    def __init__(self, cfg: Config, consumer: str, wid: str, limits: Limits, ledger: Ledger,
+                 metrics: RoleMetrics | None = None):
         self.cfg, self.consumer, self.wid = cfg, consumer, wid
         self.limits, self.ledger = limits, ledger
+        self.metrics = metrics or RoleMetrics("trainer", wid)
+        self._archive_checked = 0.0  # time.monotonic() of the last look at its backlog
         self.groups_per_step = cfg.trainer.groups_per_step
         self.max_staleness = cfg.trainer.max_staleness
         self.trained: OrderedDict[str, None] = OrderedDict()
         self.trained_ids_kept = TRAINED_IDS_KEPT
         self.counts = {"stale": 0, "duplicates": 0, "dead": 0, "trained_groups": 0,
-                       "skipped_steps": 0, "failed_steps": 0}
+                       "skipped_steps": 0, "failed_steps": 0, "archive_paused": 0}
 
     def restore(self, trained_ids: list[str]) -> None:
         self.trained = OrderedDict.fromkeys(trained_ids)
@@ -71,6 +79,7 @@ class Reader:
         ``version``; returns early when stopping or after ``wait_s`` (rank 0 then tells
         the other ranks it is alive)."""
         want = self.groups_per_step
+        await self.hold_for_archive(bus, stop)
         seen = {sg.group.group_id for _, sg in buf}
         deadline = time.monotonic() + wait_s
         while len(buf) < want and not stop.is_set() and time.monotonic() < deadline:
@@ -84,6 +93,30 @@ class Reader:
                     seen.add(sg.group.group_id)
         return buf
 
+    async def hold_for_archive(self, bus: Bus, stop: asyncio.Event) -> None:
+        """With ``archive.enabled``: while the archive's backlog (`pipeline.archive.backlog`:
+        `scored` entries it does not have yet, which the janitor must keep) is at
+        ``archive.max_backlog``, take no step. Nothing is lost: the gate closes behind the
+        trainer within one window of groups, and opens again as the archive catches up.
+        Looked at most every `ARCHIVE_CHECK_S`."""
+        cap = self.cfg.archive.max_backlog
+        now = time.monotonic()
+        if not self.cfg.archive.enabled or now - self._archive_checked < ARCHIVE_CHECK_S:
+            return
+        self._archive_checked = now
+        while not stop.is_set():
+            behind = await bus.retrying(lambda: archive_backlog(bus), "archive backlog", stop)
+            if behind is None or behind < cap:
+                break
+            if not self.counts["archive_paused"]:
+                log.warning("the archive is %d groups behind (archive.max_backlog %d): no "
+                            "step until it catches up", behind, cap)
+            self.counts["archive_paused"] = 1
+            await asyncio.sleep(ARCHIVE_CHECK_S)
+        if self.counts["archive_paused"]:
+            log.info("the archive caught up; training again")
+        self.counts["archive_paused"] = 0
+
     async def accept(self, bus: Bus, e: Entry, seen: set[str], version: int
                      ) -> ScoredGroup | None:
         """The entry's group if it is to be trained at ``version``; otherwise settle it
@@ -96,6 +129,7 @@ class Reader:
                                    "(its step raised; see the trainer log)")
         if sg is None:
             return None
+        self.metrics.wait("scored", time.time() - int(e.id.split("-")[0]) / 1000)
         gid = sg.group.group_id
         if gid in self.trained or gid in seen:
             self.counts["duplicates"] += 1

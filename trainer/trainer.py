@@ -52,7 +52,7 @@ import torch
 from pipeline.attention import check_attention
 from pipeline.bus import control
 from pipeline.bus.client import Bus, worker_id
-from pipeline.bus.keys import TRAINERS_GROUP
+from pipeline.bus.keys import ARCHIVERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import ScoredGroup
 from pipeline.config import Config, ConfigError
@@ -60,7 +60,7 @@ from pipeline.devices import resolve_device
 from pipeline.metrics import start as start_metrics
 from pipeline.runtime import Heartbeat, connect, limits, set_threads
 from pipeline.tracking import Tracker, check_report_to, open_tracker, trainer_metrics
-from pipeline.weights import make_transport
+from pipeline.weights import check_store, make_transport
 from trainer import setup
 from trainer.batch import Batch, build_batch
 from trainer.checkpoint import Checkpointer, TrainerState
@@ -100,8 +100,9 @@ class Trainer:
         self.ranks = self.setup.ranks
         self.metrics = start_metrics(  # rank 0 serves, and reads what it consumes
             cfg.metrics, "trainer", self.wid, serve=self.ranks.is_main,
-            groups=[("scored", TRAINERS_GROUP)], lengths=["scored", "dlq"],
-            window=self.train_cfg.window)
+            groups=[("scored", TRAINERS_GROUP)] + ([("scored", ARCHIVERS_GROUP)]
+                                                  if cfg.archive.enabled else []),
+            lengths=["scored", "dlq"], window=self.train_cfg.window)
         self.model, self.tokenizer = self.setup.model, self.setup.tokenizer
         self.optimizer, self.pad_id = self.setup.optimizer, self.setup.pad_id
         self.step_settings = self.setup.settings
@@ -119,7 +120,8 @@ class Trainer:
         self.ledger = Ledger.for_role(out, "trainer", self.consumer,
                                       cfg.run.ledger and self.ranks.is_main)
         self.nccl: Any = self.store if self.store.name == "nccl" else None  # start_nccl
-        self.reader = Reader(cfg, self.consumer, self.wid, self.limits, self.ledger)
+        self.reader = Reader(cfg, self.consumer, self.wid, self.limits, self.ledger,
+                             self.metrics)
         self.tracker = Tracker()  # run.report_to, opened by rank 0 once it has resumed
 
     @property
@@ -222,16 +224,18 @@ class Trainer:
             source = self.weights()
         return metrics, source
 
-    async def publish(self, bus: Bus, source: Any = None) -> None:
+    async def publish(self, bus: Bus | None, source: Any = None) -> None:
         """Publish the version through the run's weight transport (`pipeline.weights`:
         sharded safetensors, the LoRA adapter, or an NCCL push to the vLLM servers and
-        then the files; the disk work in a worker thread) and announce it."""
+        then the files; the disk work in a worker thread) and announce it (not without a
+        bus: a replay, `trainer.replay`)."""
         t0 = time.perf_counter()
         msg = await self.store.publish(self.model if source is None else source,
                                        version=self.state.version, step=self.state.step)
         self.last.update(self.store.stats)
-        await bus.retrying(lambda: control.announce(bus, msg, maxlen=self.cfg.bus.control_maxlen),
-                           "announce")
+        if bus is not None:
+            await bus.retrying(lambda: control.announce(
+                bus, msg, maxlen=self.cfg.bus.control_maxlen), "announce")
         self.metrics.observe("perf_weight_publish_seconds", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ lifecycle
@@ -251,6 +255,9 @@ class Trainer:
         if redis_version >= self.state.version and (st is not None or redis_version > 0):
             # the bus has seen this version (or newer): announce ours as the next one
             self.state.version = redis_version + 1
+        # the surviving history restarts here: steps after this checkpoint were lost
+        # (`pipeline.archive.history.step_plan`)
+        self.ledger.write("resumed", None, step=self.state.step, version=self.state.version)
         await self.publish(bus, await self.compute(self.weights))
 
     def log_metrics(self, row: dict[str, Any]) -> None:
@@ -286,9 +293,10 @@ class Trainer:
         try:
             await lock.acquire(stop)
             await self.start_nccl()
-            for k in bus.lanes.keys:
-                await bus.retrying(lambda k=k: bus.ensure_group(k.scored, TRAINERS_GROUP),
-                                   "group")
+            groups = [TRAINERS_GROUP] + ([ARCHIVERS_GROUP] if self.cfg.archive.enabled else [])
+            for k in bus.lanes.keys:  # the archive's group before the janitor may trim
+                for g in groups:
+                    await bus.retrying(lambda k=k, g=g: bus.ensure_group(k.scored, g), "group")
             Path(self.cfg.output_path).mkdir(parents=True, exist_ok=True)
             await self.resume(bus)
             self.tracker = await asyncio.to_thread(open_tracker, self.cfg, "trainer",
@@ -412,15 +420,16 @@ class Trainer:
 def preflight(cfg: Config) -> None:
     """What the trainer loads first, checked before any role starts (`sluice train`,
     `sluice up`): ``trainer.device`` exists and can run ``model.attn_implementation``
-    (`pipeline.attention`), float16 has float32 master weights, and the tracker of
-    ``run.report_to`` is installed. Each failure is a ``ConfigError`` naming
-    the key."""
+    (`pipeline.attention`), float16 has float32 master weights, the tracker of
+    ``run.report_to`` is installed, and the weight store takes its versions
+    (`pipeline.weights.check_store`). Each failure is a ``ConfigError`` naming the key."""
     device = resolve_device(cfg.trainer.device, "trainer.device")
     check_attention(cfg.model.attn_implementation, device.type, device_key="trainer.device")
     if cfg.model.dtype == "float16" and not cfg.trainer.fp32_master:
         raise ConfigError("trainer.fp32_master: model.dtype float16 needs float32 master "
                           "weights (loss scaling); set it true or use bfloat16")
     check_report_to(cfg)
+    check_store(cfg, write=True)
 
 
 def rank_of(name: str | None) -> int:

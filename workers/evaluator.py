@@ -38,7 +38,7 @@ from pipeline.metrics import start as start_metrics
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, set_threads
 from pipeline.tracking import Tracker, check_report_to, eval_metrics, open_tracker
-from pipeline.weights import WeightError, make_transport
+from pipeline.weights import WeightError, check_store, engine_format, make_transport
 from workers.engines.base import Engine, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
@@ -201,7 +201,7 @@ class Evaluator:
         t0 = time.perf_counter()
         try:
             path = await self.weights.receive(msg)
-            ok = await self.engine.load_weights(path, msg.version, msg.format)
+            ok = await self.engine.load_weights(path, msg.version, engine_format(msg))
         except (WeightError, OSError, ValueError) as e:
             log.warning("cannot evaluate v%d: %s", msg.version, e)
             return False
@@ -244,6 +244,7 @@ class Evaluator:
             await hb.stop()
             await bus.close()
             await self.engine.close()
+            await self.weights.close()  # its rebuilt deltas, if any
             await asyncio.to_thread(self.tracker.finish)
 
 
@@ -253,8 +254,9 @@ def preflight(cfg: Config, task: Task | None, policy_tokenizer: Callable[[], Any
     (``run.report_to``) and ``eval.rewards`` when set (each called once, as the scorer's
     are). ``alone`` (`sluice eval`, not under `sluice up`, whose generator checks cover
     the rest): also ``generation.device``, ``eval.vllm_urls`` on the vLLM engine (the
-    generators' servers would be swapped to the evaluated version), the task and the
-    rollout hooks. Each failure is a ``ConfigError`` / ``ValueError`` naming the key."""
+    generators' servers would be swapped to the evaluated version), the task, the
+    rollout hooks and the weight store it reads (`pipeline.weights.check_store`). Each
+    failure is a ``ConfigError`` / ``ValueError`` naming the key."""
     if alone:
         device = resolve_device(cfg.generation.device, "generation.device")
         if cfg.eval_engine == "transformers":
@@ -269,6 +271,7 @@ def preflight(cfg: Config, task: Task | None, policy_tokenizer: Callable[[], Any
         task = task_from_config(cfg, policy_tokenizer())
         load_rollout(cfg)
         load_filter(cfg)
+        check_store(cfg, write=False)
     if cfg.eval.rewards is not None:
         check_rewards(cfg, task, "eval.rewards")
 

@@ -44,7 +44,7 @@ from pipeline.devices import resolve_device
 from pipeline.metrics import start as start_metrics
 from pipeline.model import load_policy, load_tokenizer
 from pipeline.runtime import Heartbeat, connect, join, set_threads
-from pipeline.weights import WeightError, make_transport
+from pipeline.weights import WeightError, check_store, engine_format, make_transport
 from workers.engines.base import Engine, EngineError, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.environments.base import EpisodeFailure
@@ -140,7 +140,7 @@ class Generator:
                 log.warning("refusing weights v%d: %s", msg.version, e)
                 return
             try:
-                await self.engine.load_weights(path, msg.version, msg.format)
+                await self.engine.load_weights(path, msg.version, engine_format(msg))
             except EngineError as e:
                 self.rejected_weights += 1
                 log.warning("engine could not load weights v%d: %s", msg.version, e)
@@ -170,6 +170,7 @@ class Generator:
         0.2 s backoff left generators asleep for whole trainer steps)."""
         window, want = self.cfg.trainer.window, self.cfg.generation.batch_groups
         wait_s = 0.005
+        asked = time.monotonic()
         while not stop.is_set():
             self.announced.clear()
             cursors: list[int] = []
@@ -187,10 +188,12 @@ class Generator:
                 window, self.wid, self.lease_ms, more, op=op), "admit", stop)
             for c in got.cursors:
                 self.leases.add(c)
-                self.ledger.write("admitted", self.group_id(c), cursor=c)
+                self.ledger.write("admitted", self.group_id(c), cursor=c,
+                                  gate_wait_s=round(time.monotonic() - asked, 4))
             cursors += got.cursors
             if cursors:
                 self.gate_closed = False
+                self.metrics.wait("admission", time.monotonic() - asked)
                 return cursors, got.version
             self.gate_closed = True
             t0 = time.monotonic()
@@ -431,6 +434,7 @@ class Generator:
             self.ledger.close()
             await bus.close()
             await self.engine.close()
+            await self.weights.close()  # its rebuilt deltas, if any
             log.info("generator %s stopped: %d groups", self.wid, self.groups)
 
 
@@ -439,9 +443,10 @@ def preflight(cfg: Config, policy_tokenizer: Callable[[], Any]) -> Task:
     `sluice up`): the in-process engine's ``generation.device`` (and that it can run
     ``model.attn_implementation``), the task (data, columns,
     prompt lengths, rendered with ``policy_tokenizer()``: None when `sluice up` is about
-    to build the tiny model), the environment or rollout hook (one instance built) and
-    the prompt filter. Each failure is a ``ConfigError`` / ``ValueError`` naming the key.
-    Returns the task, which the other roles' checks reuse."""
+    to build the tiny model), the environment or rollout hook (one instance built), the
+    prompt filter and the weight store it reads (`pipeline.weights.check_store`). Each
+    failure is a ``ConfigError`` / ``ValueError`` naming the key. Returns the task, which
+    the other roles' checks reuse."""
     if cfg.generation.engine == "transformers":
         device = resolve_device(cfg.generation.device, "generation.device")
         check_attention(cfg.model.attn_implementation, device.type,
@@ -449,6 +454,7 @@ def preflight(cfg: Config, policy_tokenizer: Callable[[], Any]) -> Task:
     task = task_from_config(cfg, policy_tokenizer())
     load_rollout(cfg)
     load_filter(cfg)
+    check_store(cfg, write=False)
     return task
 
 

@@ -59,7 +59,7 @@ from pipeline.bus import control
 from pipeline.bus.client import Bus, Entry, worker_id
 from pipeline.bus.codec import encode, peek_group_id
 from pipeline.bus.inbound import triage
-from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
+from pipeline.bus.keys import ARCHIVERS_GROUP, SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup
 from pipeline.config import Config
@@ -159,7 +159,10 @@ class Scorer:
         (`settle`: filtered, dead or handed off) and hand the read's groups off in one
         pipelined round trip (module docstring)."""
         decoded: list[tuple[Entry, RolloutGroup]] = []
+        now = time.time()
         for e in entries:
+            if e.fields is not None:  # queue wait: from the append (the id's time) to now
+                self.metrics.wait("rollouts", now - int(e.id.split("-")[0]) / 1000)
             g = await triage(bus, e, SCORERS_GROUP, stream=bus.keys.rollouts,
                              expect=RolloutGroup, limits=self.limits,
                              max_deliveries=self.cfg.bus.max_deliveries,
@@ -331,6 +334,9 @@ class Scorer:
                                "group")
             await bus.retrying(lambda k=lane: bus.ensure_group(k.scored, TRAINERS_GROUP),
                                "group")
+            if self.cfg.archive.enabled:  # before any hand-off, so none is trimmed unarchived
+                await bus.retrying(lambda k=lane: bus.ensure_group(k.scored, ARCHIVERS_GROUP),
+                                   "group")
         hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s, self.info, self.metrics)
         hb.start()
         watcher = asyncio.create_task(self.watch_control(bus, stop))

@@ -16,7 +16,12 @@
 5. (with a live view of Redis, `live_view`) every admitted group not yet retired is
    somewhere: leased to a generator, or an unacknowledged entry of ``rollouts`` or
    ``scored``; and no group is in flight twice, or in flight after it retired. This is
-   "nothing lost" without having to drain the pipeline first.
+   "nothing lost" without having to drain the pipeline first;
+6. (with ``archive``: the run archived from its start, ``archive.enabled``) no group is
+   archived twice or archived without having been handed off, and, with a live view,
+   every group handed off to ``scored`` is archived, skipped by the archiver as
+   undecodable, or still unacknowledged by the ``archivers`` group: nothing is lost from
+   the archive.
 The ledger of a process killed by ``kill -9`` ends where it died. A state change it had
 started (an ``intent`` line with no events after it) is resolved from the op's result
 stored in Redis (`live_view` reads it): present and truthy = it happened, absent = it
@@ -35,7 +40,13 @@ from typing import Any
 
 from pipeline.bus.client import Bus
 from pipeline.bus.codec import peek_group_id
-from pipeline.bus.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP, Keys
+from pipeline.bus.keys import (
+    ARCHIVERS_GROUP,
+    RETIRE_REASONS,
+    SCORERS_GROUP,
+    TRAINERS_GROUP,
+    Keys,
+)
 from pipeline.bus.ledger import acted, read_ledgers
 
 ADV_SUM_TOL = 1e-3  # per completion: float32 advantages of a centred group sum to ~1e-7
@@ -50,6 +61,8 @@ class AuditReport:
     taken_over: int = 0
     trained: int = 0
     from_redis: int = 0  # events of killed processes recovered from stored op results
+    archived: int = 0  # groups the archiver wrote (rule 6)
+    archive_skipped: int = 0  # undecodable `scored` entries the archiver acked unwritten
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -61,7 +74,10 @@ class AuditReport:
                 f"{sum(self.retired.values())} retired ({dict(self.retired)}), "
                 f"{self.in_flight} in flight, {self.taken_over} taken over after a "
                 f"generator died, {self.trained} trained, {self.from_redis} events recovered "
-                "from Redis")
+                "from Redis"
+                + (f", {self.archived} archived" if self.archived else "")
+                + (f" ({self.archive_skipped} undecodable skipped)"
+                   if self.archive_skipped else ""))
         if self.ok:
             return f"OK: {head}"
         shown = "\n  ".join(self.violations[:50])
@@ -78,6 +94,9 @@ class LiveView:
     entries: dict[str, list[str]]  # group id -> unacknowledged stream entries holding it
     # (role, op id) -> stored result (None: absent); op keys are per role (`Keys.op`)
     ops: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # group ids of `scored` entries the `archivers` group has not acknowledged (never
+    # delivered to it, or pending on an archiver); None: no lane has that group
+    unarchived: set[str] | None = None
 
 
 def pending_intents(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -98,8 +117,14 @@ async def live_view(bus: Bus, ops: list[tuple[str, str]] | None = None) -> LiveV
     (`pending_intents`). Take it with the roles stopped or paused: a moving pipeline can
     show a group between two places."""
     entries: dict[str, list[str]] = defaultdict(list)
+    unarchived: set[str] | None = None
     for k in bus.lanes.keys:
         await _unacked(bus, k, entries)
+        if await bus.r.exists(k.scored) and any(
+                g["name"].decode() == ARCHIVERS_GROUP for g in await bus.r.xinfo_groups(k.scored)):
+            held: dict[str, list[str]] = defaultdict(list)
+            await _unacked_by(bus, k.scored, ARCHIVERS_GROUP, held)
+            unarchived = (unarchived or set()) | set(held)
     leased: set[int] = set()
     for lane, k in enumerate(bus.lanes.keys):
         leased |= {bus.lanes.join(lane, int(c)) for c in await bus.r.hkeys(k.leases)}
@@ -113,28 +138,33 @@ async def live_view(bus: Bus, ops: list[tuple[str, str]] | None = None) -> LiveV
             results[(role, op)] = [i for f in found for i in f]
         else:
             results[(role, op)] = found[0] if found else None
-    return LiveView(await bus.state(), leased, dict(entries), results)
+    return LiveView(await bus.state(), leased, dict(entries), results, unarchived)
 
 
 async def _unacked(bus: Bus, k: Keys, entries: dict[str, list[str]]) -> None:
     """Every entry of lane ``k``'s ``rollouts`` and ``scored`` not yet acknowledged by the
     group that consumes it, by group id (undelivered or pending, and on whom)."""
     for stream, group in ((k.rollouts, SCORERS_GROUP), (k.scored, TRAINERS_GROUP)):
-        if not await bus.r.exists(stream):
-            continue
-        info = {g["name"].decode(): g for g in await bus.r.xinfo_groups(stream)}
-        last = info[group]["last-delivered-id"].decode() if group in info else "0-0"
-        short = stream.rsplit(":", 1)[-1]
-        rows = await bus.r.xrange(stream, min=f"({last}", max="+") if last != "0-0" else \
-            await bus.r.xrange(stream)
-        for entry_id, fields in rows:
-            entries[peek_group_id(fields) or "?"].append(f"{short} {entry_id.decode()} undelivered")
-        if group in info:
-            for p in await bus.r.xpending_range(stream, group, min="-", max="+", count=1 << 20):
-                for entry_id, fields in await bus.r.xrange(stream, p["message_id"],
-                                                           p["message_id"]):
-                    entries[peek_group_id(fields) or "?"].append(
-                        f"{short} {entry_id.decode()} pending on {p['consumer'].decode()}")
+        if await bus.r.exists(stream):
+            await _unacked_by(bus, stream, group, entries)
+
+
+async def _unacked_by(bus: Bus, stream: str, group: str, entries: dict[str, list[str]]
+                      ) -> None:
+    """The entries of ``stream`` that ``group`` has not acknowledged, by group id."""
+    info = {g["name"].decode(): g for g in await bus.r.xinfo_groups(stream)}
+    last = info[group]["last-delivered-id"].decode() if group in info else "0-0"
+    short = stream.rsplit(":", 1)[-1]
+    rows = await bus.r.xrange(stream, min=f"({last}", max="+") if last != "0-0" else \
+        await bus.r.xrange(stream)
+    for entry_id, fields in rows:
+        entries[peek_group_id(fields) or "?"].append(f"{short} {entry_id.decode()} undelivered")
+    if group in info:
+        for p in await bus.r.xpending_range(stream, group, min="-", max="+", count=1 << 20):
+            for entry_id, fields in await bus.r.xrange(stream, p["message_id"],
+                                                       p["message_id"]):
+                entries[peek_group_id(fields) or "?"].append(
+                    f"{short} {entry_id.decode()} pending on {p['consumer'].decode()}")
 
 
 _Events = dict[str, list[dict[str, Any]]]  # ledger rows by event name
@@ -157,11 +187,12 @@ class _Groups:
 def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
           num_generations: int | None = None, drained: bool = False,
           live: LiveView | None = None,
-          rows: list[dict[str, Any]] | None = None) -> AuditReport:
+          rows: list[dict[str, Any]] | None = None, archive: bool = False) -> AuditReport:
     """Audit ``run_dir``'s ledgers; ``state`` is the run's Redis ``state`` hash (rule 4 is
     skipped without it; ``live`` supplies it too, and enables rule 5); ``drained`` demands
-    that nothing is left in flight. ``rows`` are the ledgers if already read (a long
-    run's ledgers are large: read them once for `pending_intents` and the audit)."""
+    that nothing is left in flight; ``archive``: the run archived every group from its
+    start (rule 6). ``rows`` are the ledgers if already read (a long run's ledgers are
+    large: read them once for `pending_intents` and the audit)."""
     if live is not None:
         state = live.state
     rows = read_ledgers(run_dir) if rows is None else rows
@@ -178,6 +209,7 @@ def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
         _check_gate_counters(by_ev, groups, state, rep)
     if live is not None:
         _check_in_flight(groups, live, rep)
+    _check_archived(by_ev, live if archive else None, rep)
     if by_ev["torn"]:
         rep.violations.append(
             f"{len(by_ev['torn'])} torn ledger lines (a process killed mid-write)")
@@ -289,6 +321,29 @@ def _check_in_flight(groups: _Groups, live: LiveView, rep: AuditReport) -> None:
             bad(f"group {gid} retired ({retirements[gid][0]}) but still in flight: {where}")
         if gid not in admitted:
             bad(f"group {gid} in flight but never admitted: {where}")
+
+
+def _check_archived(by_ev: _Events, live: LiveView | None, rep: AuditReport) -> None:
+    """Rule 6: no group archived twice or archived without a hand-off; with ``live`` (the
+    run archived from its start) every handed-off group is archived, skipped as
+    undecodable, or still unacknowledged by the ``archivers`` group in Redis."""
+    bad = rep.violations.append
+    archived = Counter(r["gid"] for r in by_ev["archived"])
+    rep.archived = len(archived)
+    rep.archive_skipped = len(by_ev["archive_skipped"])
+    handed = {r["gid"] for r in by_ev["handed_off"]}
+    for gid, n in archived.items():
+        if n > 1:
+            bad(f"group {gid} archived {n} times")
+        if gid not in handed:
+            bad(f"group {gid} archived but never handed off to scored")
+    if live is None or live.unarchived is None:
+        return
+    skipped = {r["gid"] for r in by_ev["archive_skipped"]}
+    lost = sorted(handed - set(archived) - skipped - live.unarchived)
+    if lost:
+        bad(f"{len(lost)} groups handed off to scored are neither archived nor waiting for "
+            f"the archiver in Redis (lost from the archive): {lost[:10]}")
 
 
 def _resolve_intents(rows: list[dict[str, Any]], live: LiveView | None,

@@ -119,6 +119,10 @@ def encode(msg: Message) -> bytes:
             "sha256": msg.sha256,
             "nbytes": msg.nbytes,
             "t": msg.t,
+            # optional keys: absent on a full version of a run without deltas, so those
+            # announcements are byte for byte what schema 3 always sent
+            **({"base": msg.base} if msg.base >= 0 else {}),
+            **({"state": msg.state} if msg.state else {}),
         }
     elif isinstance(msg, RunFinished):
         body = {"type": "finished", "reason": msg.reason, "t": msg.t}
@@ -330,8 +334,16 @@ def _decode_weights(m: dict[str, Any]) -> WeightsPublished:
     if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
         raise DecodeError("weights.sha256: not a hex sha256")
     fmt = _get(m, "format", str, w)
-    if fmt not in ("safetensors", "lora", "nccl"):
+    if fmt not in ("safetensors", "lora", "nccl", "delta"):
         raise DecodeError(f"weights.format: unknown format {fmt!r}")
+    base = _get(m, "base", int, w) if "base" in m else -1
+    state = _get(m, "state", str, w) if "state" in m else ""
+    if state and (len(state) != 64 or any(c not in "0123456789abcdef" for c in state)):
+        raise DecodeError("weights.state: not a hex sha256")
+    if fmt == "delta" and not (0 <= base < version and state):
+        raise DecodeError("weights: a delta needs base (an older version) and state")
+    if fmt != "delta" and base != -1:
+        raise DecodeError(f"weights.base: only a delta has a base (format {fmt!r})")
     return WeightsPublished(
         version=version,
         step=_get(m, "step", int, w),
@@ -340,6 +352,8 @@ def _decode_weights(m: dict[str, Any]) -> WeightsPublished:
         sha256=sha,
         nbytes=_get(m, "nbytes", int, w),
         t=_finite(_get(m, "t", (int, float), w), "weights.t"),
+        base=base,
+        state=state,
     )
 
 

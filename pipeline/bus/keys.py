@@ -25,6 +25,9 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 SCORERS_GROUP = "scorers"
 TRAINERS_GROUP = "trainers"
+ARCHIVERS_GROUP = "archivers"
+"""The archiver's consumer group on ``scored`` (only when ``archive.enabled``): the janitor
+trims only what every group acknowledged, so `scored` keeps what the archive still needs."""
 RETIRE_REASONS = ("trained", "filtered", "stale", "dead")
 
 OP_ROLES = ("generator", "scorer", "trainer")

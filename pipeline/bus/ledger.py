@@ -13,14 +13,20 @@ keep it `pipeline.bus.scripts.OP_TTL_S` seconds, written atomically with the cha
 process killed between the call and its ledger line is still counted exactly.
 
 Events (``ev``), each with ``gid`` (group id), ``role``, ``consumer``, ``t`` (unix s):
-- generator: ``admitted`` (``cursor``), ``takeover`` (``cursor``: an expired lease of a
-  dead generator, now ours), ``emitted`` (``cursor``, ``id``), ``lost_lease``
-  (``cursor``: another generator took it over; we drop our copy), ``dead`` (abandoned);
+- generator: ``admitted`` (``cursor``, ``gate_wait_s``: its batch's wait at the gate),
+  ``takeover`` (``cursor``: an expired lease of a dead generator, now ours), ``emitted``
+  (``cursor``, ``id``), ``lost_lease`` (``cursor``: another generator took it over; we
+  drop our copy), ``dead`` (abandoned);
 - scorer: ``scored`` (``n``: completions, ``adv_sum``: of the reward advantages; with a
   teacher also ``kl``, the group's mean per-token reverse KL to it, over ``kl_n``
   tokens), ``handed_off`` (``id``, ``to``), ``filtered``, ``dead``;
 - trainer: ``trained`` (``step``, ``version``, ``min_version``, ``max_staleness``,
-  ``n``), ``stale``, ``duplicate`` (acked, not retired: already trained), ``dead``.
+  ``n``), ``stale``, ``duplicate`` (acked, not retired: already trained), ``dead``,
+  ``resumed`` (no group; ``step``, ``version``: the checkpoint it started from: the steps
+  it had taken after that one were lost with the process);
+- archiver: ``archived`` (``id``, ``file``: the archive file that holds the group;
+  ``recovered`` when written after a restart for a file its killed predecessor wrote),
+  ``archive_skipped`` (``id``, ``reason``: undecodable, acked and not archived).
 Retiring events are ``filtered``, ``stale``, ``trained`` and ``dead`` (when ``retired``).
 """
 

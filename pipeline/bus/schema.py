@@ -168,10 +168,12 @@ class WeightsPublished:
     version: int
     step: int
     uri: str
-    format: str  # safetensors | lora | nccl
+    format: str  # safetensors | lora | nccl | delta
     sha256: str
     nbytes: int
     t: float
+    base: int = -1  # delta: the version it applies to; -1 = a full version
+    state: str = ""  # runs with deltas: sha256 of the full state (pipeline/weights/delta.py)
 
 
 @dataclass

@@ -31,13 +31,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-ROLES = ("generator", "scorer", "trainer", "evaluator", "monitor", "admin")
+ROLES = ("generator", "scorer", "trainer", "evaluator", "archiver", "monitor", "admin")
 """Every Redis identity of a deployment; `deploy/redis/users.acl` has one user per role."""
 
 CREDENTIALS_FILE_ENV = "SLUICE_REDIS_CREDENTIALS_FILE"
 
 COMMAND_ROLES = {"generate": "generator", "score": "scorer", "train": "trainer",
-                 "eval": "evaluator", "status": "monitor", "tail": "monitor"}
+                 "eval": "evaluator", "archive": "archiver", "status": "monitor",
+                 "tail": "monitor"}
 """The Redis identity each `sluice` command logs in as."""
 
 

@@ -47,6 +47,32 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--name", default=None,
                        help="stable consumer/worker name (default: host-pid; trainer: rank)")
         _allow_change_arg(p)
+    p = sub.add_parser("archive", help="run the archiver: every scored group to Parquet "
+                       "(archive.enabled; docs/archive.md)")
+    _config_args(p)
+    p.add_argument("--name", default=None, help="stable consumer name (default archiver-0)")
+    _allow_change_arg(p)
+    p.add_argument("--dispositions", action="store_true",
+                   help="only (re)write the archive's dispositions.parquet from the ledgers")
+
+    p = sub.add_parser("replay", help="train again on an archive, step for step as the "
+                       "original trainer did (no generators, scorers or Redis)")
+    p.add_argument("source", metavar="ARCHIVE_OR_RUN",
+                   help="a run's output_dir (its ledger has the steps) or an archive path/URL")
+    p.add_argument("--config", required=True, help="run TOML to replay with")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where the replay writes (default run.output_dir, or <it>/replay "
+                   "when that holds a run)")
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="replay only the first N steps")
+
+    p = sub.add_parser("trace", help="the life of one group: every hop, its wait, how it "
+                       "ended (from the ledgers and the archive)")
+    p.add_argument("run_dir", metavar="RUN", help="the run's output_dir")
+    p.add_argument("gid", help="group id, <epoch>:<prompt index>")
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("eval", help="follow the run and score held-out prompts per version")
     _config_args(p)
     p.add_argument("--name", default=None)
@@ -99,7 +125,48 @@ def parser() -> argparse.ArgumentParser:
                    help="users for every run on the server, not only run.name's keys")
     p.add_argument("--force", action="store_true",
                    help="overwrite existing credentials (rotates every password)")
+
+    p = sub.add_parser("deploy", help="render a Slurm job, Kubernetes manifests or a compose "
+                       "project for the run (docs/deploying.md)")
+    dsub = p.add_subparsers(dest="deploy_cmd", required=True)
+    d = dsub.add_parser("render", help="write the target's files from the config")
+    _config_args(d)
+    d.add_argument("--target", required=True, choices=["slurm", "k8s", "compose"])
+    d.add_argument("--out", required=True, metavar="DIR", help="where to write (must be empty)")
+    d.add_argument("--force", action="store_true", help="render over a non-empty --out")
+    d = dsub.add_parser("wait", help="wait until Redis, the trainer or vLLM servers answer "
+                        "(a deployed role's start order)")
+    _config_args(d)
+    d.add_argument("--role", default="monitor", help="the Redis identity to ask as")
+    d.add_argument("--redis", action="store_true", help="Redis answers")
+    d.add_argument("--trainer", action="store_true", help="the trainer has announced")
+    d.add_argument("--http", action="append", default=[], metavar="URL",
+                   help="the URL answers 200 (repeatable)")
+    d.add_argument("--timeout", type=float, default=300.0, metavar="S")
     return ap
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    """`sluice deploy render|wait`: a refused config exits 2 before anything is written
+    (the caller's ConfigError path); a wait that times out exits 1."""
+    if args.deploy_cmd == "render":
+        from pipeline.ops.deploy import render
+
+        written = render(args.config, args.overrides, args.target, args.out, force=args.force)
+        print(f"wrote {len(written)} files for {args.target} in {args.out} "
+              "(docs/deploying.md says how to start them)")
+        return 0
+    from pipeline.ops.deploy.wait import WaitTimeout, wait
+
+    if not (args.redis or args.trainer or args.http):
+        raise ValueError("sluice deploy wait: give --redis, --trainer and/or --http URL")
+    try:
+        wait(_load(args), args.role, redis=args.redis, trainer=args.trainer, http=args.http,
+             timeout_s=args.timeout)
+    except WaitTimeout as e:
+        print(f"sluice: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _check_credentials(cfg: Config, cmd: str) -> None:
@@ -113,7 +180,8 @@ def _check_credentials(cfg: Config, cmd: str) -> None:
             raise CredentialsError("the embedded Redis of `sluice up` has no ACL users; set "
                                    "bus.redis_url to a Redis started with the rendered "
                                    "users.acl, or unset the credentials file")
-        for role in ("trainer", "scorer", "generator", "evaluator", "monitor"):
+        for role in ("trainer", "scorer", "generator", "evaluator", "monitor",
+                     *(("archiver",) if cfg.archive.enabled else ())):
             redis_options(cfg, role)
     elif cmd in COMMAND_ROLES:
         redis_options(cfg, COMMAND_ROLES[cmd])
@@ -130,9 +198,11 @@ def _acl(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
-# subcommand -> (the role module, its Redis identity); `sluice up` runs all four
+# subcommand -> (the role module, its Redis identity); `sluice up` runs them all (the
+# archiver with archive.enabled)
 ROLES = {"train": ("trainer.trainer", "trainer"), "generate": ("workers.generator", "generator"),
-         "score": ("workers.scorer", "scorer"), "eval": ("workers.evaluator", "evaluator")}
+         "score": ("workers.scorer", "scorer"), "eval": ("workers.evaluator", "evaluator"),
+         "archive": ("workers.archiver", "archiver")}
 
 
 def _preflight(cfg: Config, cmd: str) -> None:
@@ -166,6 +236,10 @@ def _preflight(cfg: Config, cmd: str) -> None:
         from workers import evaluator
 
         evaluator.preflight(cfg, task, tokenizer, alone=cmd == "eval")
+    if cmd == "archive" or (cmd == "up" and cfg.archive.enabled):
+        from workers import archiver
+
+        archiver.preflight(cfg)
 
 
 def _pin(cfg: Config, args: argparse.Namespace) -> Config:
@@ -264,12 +338,42 @@ def _audit(args: argparse.Namespace) -> int:
     elif (run_dir / "state.json").is_file():
         saved = json.loads((run_dir / "state.json").read_text())
         state, num_generations = saved["state"], saved.get("num_generations")
+    archived = bool(args.config and cfg.archive.enabled)
     report = audit(run_dir, state, num_generations=num_generations, drained=args.drained,
-                   live=live, rows=rows)
+                   live=live, rows=rows, archive=archived)
     print(report.summary())
     if state is None and live is None:
         print("(counters not checked: give --config, or run_dir/state.json)")
     return 0 if report.ok else 1
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """Exit 0 when every planned step was replayed (and, against a run directory, every
+    version both weight stores hold is bit-identical: say so), 1 when the replay stopped
+    at a gap or diverged, 2 for a refused config or source."""
+    from trainer.replay import ReplayDiverged, replay
+
+    cfg = load_config(args.config, args.overrides)
+    from trainer import trainer
+
+    trainer.preflight(cfg)
+    try:
+        res = replay(cfg, args.source, out=args.out, max_steps=args.steps)
+    except ReplayDiverged as e:
+        print(f"sluice: replay diverged: {e}", file=sys.stderr)
+        return 1
+    print(f"replayed {res.steps} of {res.planned} steps into {res.out}")
+    if res.compared:
+        byte = [k for k, v in res.compared.items() if v == "bytes"]
+        tens = [k for k, v in res.compared.items() if v == "tensors"]
+        bad = [k for k, v in res.compared.items() if v is None]
+        print(f"against the original: bit-identical {'yes' if res.bit_exact else 'NO'}; "
+              f"byte-identical files: {byte}; identical tensors, other safetensors header "
+              f"(a run published before the header had one key): {tens}; differing: {bad}")
+    if res.gap:
+        print(f"sluice: replay stopped early: {res.gap}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -286,6 +390,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pipeline.ops.export import main as export_main
 
             return export_main(args)
+        if args.cmd == "trace":
+            from pipeline.ops.trace import main as trace_main
+
+            return trace_main(args.run_dir, args.gid, args.json)
+        if args.cmd == "replay":
+            return _replay(args)
+        if args.cmd == "deploy":
+            return _deploy(args)
         cfg = _load(args)
         if args.cmd == "acl":
             return _acl(cfg, args)
@@ -295,8 +407,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pipeline.ops.up import prepare
 
             cfg = prepare(cfg, fresh=args.fresh, allow_config_change=args.allow_config_change)
-        elif args.cmd in ("generate", "score", "eval", "train"):
+        elif args.cmd in ("generate", "score", "eval", "train", "archive"):
             cfg = _pin(cfg, args)
+        if args.cmd == "archive" and args.dispositions:
+            from workers.archiver import write_dispositions
+
+            print(f"wrote {write_dispositions(cfg)} dispositions")
+            return 0
     except (ConfigError, ValueError, FileExistsError) as e:
         print(f"sluice: {e}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ from redis.exceptions import ResponseError
 
 from pipeline.bus.client import Bus, decode_reply, group_view, merge_views
 from pipeline.bus.codec import DecodeError, decode_entry
-from pipeline.bus.keys import RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP, Keys
+from pipeline.bus.keys import ARCHIVERS_GROUP, RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP, Keys
 from pipeline.bus.lanes import add_states
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup, WeightsPublished
 
@@ -112,6 +112,13 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
             in_streams += int(lag or 0) + view.pending
         groups[f"{name}/{group}"] = {"lag": lag, "pending": view.pending, "consumers": cons,
                                      "exists": view.exists}
+    # the archive's group (archive.enabled): its lag is how far the archive is behind,
+    # not work in flight, so it stays out of the conservation equation
+    arch = merge_views([group_view(res[4 + 2 * PIPELINE_GROUPS.index(("scored", TRAINERS_GROUP))],
+                                   ARCHIVERS_GROUP) for res in lanes])
+    if arch.exists:
+        groups[f"scored/{ARCHIVERS_GROUP}"] = {"lag": arch.lag, "pending": arch.pending,
+                                               "consumers": [], "exists": True}
     leases_raw: dict[Any, Any] = {}
     for lane, res in enumerate(lanes):
         if not isinstance(res[-2], Exception):
@@ -173,6 +180,10 @@ def render_status(snap: dict[str, Any], window: int | None = None) -> Any:
                          for x in gi["consumers"])
         streams.add_row(name, str(length), gname.split("/")[1], str(gi["lag"]),
                         str(gi["pending"]), cons)
+        arch = snap["groups"].get(f"{name}/{ARCHIVERS_GROUP}")
+        if arch is not None:  # the archive's backlog: lag + pending
+            streams.add_row("", "", ARCHIVERS_GROUP, str(arch["lag"]), str(arch["pending"]),
+                            "(the archive's backlog)")
 
     workers = Table(title="workers", title_justify="left")
     for col in ("worker", "pid", "version", "healthy", "age", "metrics", "counters"):
@@ -180,7 +191,7 @@ def render_status(snap: dict[str, Any], window: int | None = None) -> Any:
     for wid, w in sorted(snap["workers"].items()):
         age = now - float(w.get("t", 0))
         skip = {"pid", "host", "t", "version", "healthy", "started", "last", "part_sums",
-                "metrics"}
+                "metrics", "waits"}
         counters = " ".join(f"{k}={v}" for k, v in w.items()
                             if k not in skip and not isinstance(v, dict | list))
         eng = w.get("engine")
@@ -198,7 +209,25 @@ def render_status(snap: dict[str, Any], window: int | None = None) -> Any:
         left = row["oldest_deadline_s"]
         leases.add_row(owner, str(row["count"]), "-" if left is None else
                        f"{left:.1f}s" if left >= 0 else f"[red]expired {-left:.1f}s ago[/]")
-    return Group(head, streams, workers, leases)
+    return Group(head, streams, workers, leases, waits_table(snap["workers"]))
+
+
+def waits_table(workers: dict[str, dict[str, Any]]) -> Any:
+    """The p50 / p99 of each role's waits at each hop, from their heartbeats
+    (`pipeline.metrics.RoleMetrics.wait_summary`): the admission wait of generators, the
+    queue waits rollouts -> scorer, scored -> trainer and scored -> archiver."""
+    from rich.table import Table
+
+    t = Table(title="waits per hop (last 2048 each)", title_justify="left")
+    for col in ("hop", "worker", "p50", "p99", "n"):
+        t.add_column(col)
+    names = {"admission": "admission (gate)", "rollouts": "rollouts -> scorer",
+             "scored": "scored -> {role}"}
+    for wid, w in sorted(workers.items()):
+        for hop, q in sorted((w.get("waits") or {}).items()):
+            label = names.get(hop, hop).format(role=wid.split("/", 1)[0])
+            t.add_row(label, wid, f"{q['p50']:.3f}s", f"{q['p99']:.3f}s", str(q["n"]))
+    return t
 
 
 def describe(stream: str, msg: Any) -> str:

@@ -2,9 +2,10 @@
 
 Order: embedded Redis (unless ``bus.redis_url`` is set) → local vLLM servers (engine
 ``vllm`` with ``generation.vllm.launch`` > 0; each generator gets its share of their
-URLs) → trainer (publishes v0 and creates the consumer groups) → scorers → generators →
-evaluator. The servers are stopped by PID after every role has exited. Roles talk only through
-Redis; this supervisor only starts them, reads heartbeats and state, and stops them.
+URLs) → trainer (publishes v0 and creates the consumer groups) → the archiver (with
+``archive.enabled``) → scorers → generators → evaluator. The servers are stopped by PID
+after every role has exited. Roles talk only through Redis; this supervisor only starts
+them, reads heartbeats and state, and stops them.
 With ``up.metrics`` (the default) each role serves Prometheus ``/metrics`` on a free
 loopback port chosen at each (re)start (`pipeline.metrics`; `sluice status` lists them).
 
@@ -148,6 +149,8 @@ class Supervisor:
         c = self.cfg
         self.spawn("train", "trainer-0", c.trainer.threads, urls_override(vllm_urls or []))
         self.wait_for_trainer(trainer_ready_s)
+        if c.archive.enabled:  # the trainer created its group: nothing is trimmed unarchived
+            self.spawn("archive", "archiver-0", 1)
         for i in range(c.up.scorers):
             self.spawn("score", f"scorer-{i}", 1)
         for i in range(c.up.generators):
@@ -395,6 +398,7 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
 
         ok = summarize(cfg, sup.samples, snap, reason)
         ok = loop.run_until_complete(audit_run(cfg)) and ok
+        archive_dispositions(cfg)
         # a crash already reported and awaiting its restart when the run ended is not
         # a failure of the run (it survived it)
         failed = [c for c in sup.children if c.proc.returncode not in (0, -signal.SIGTERM)
@@ -415,6 +419,24 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
         loop.close()
 
 
+def archive_dispositions(cfg: Config) -> None:
+    """With ``archive.enabled``: what became of every group, as the archive's
+    ``dispositions.parquet``, written once every role has stopped (the archiver writes it
+    itself only when the run ends at ``max_steps``). A failure is reported, not fatal:
+    ``sluice archive RUN.toml --dispositions`` writes it later."""
+    if not (cfg.archive.enabled and cfg.run.ledger):
+        return
+    from workers.archiver import write_dispositions
+
+    try:
+        n = write_dispositions(cfg)
+    except Exception as e:
+        print(f"archive: dispositions.parquet not written ({e!r}); `sluice archive "
+              "RUN.toml --dispositions` writes it", file=sys.stderr)
+        return
+    print(f"archive: dispositions of {n} groups written", file=sys.stderr)
+
+
 async def audit_run(cfg: Config) -> bool:
     """Save the final counters next to the ledgers (for a later `sluice audit`) and check
     the run's whole history, with where its unfinished groups are; prints one line, and
@@ -432,8 +454,10 @@ async def audit_run(cfg: Config) -> bool:
         await bus.close()
     out = cfg.output_path
     (out / "state.json").write_text(json.dumps(
-        {"state": live.state, "num_generations": cfg.generation.num_generations}))
-    report = audit(out, live=live, num_generations=cfg.generation.num_generations, rows=rows)
+        {"state": live.state, "num_generations": cfg.generation.num_generations,
+         "archive": cfg.archive.enabled}))
+    report = audit(out, live=live, num_generations=cfg.generation.num_generations, rows=rows,
+                   archive=cfg.archive.enabled)
     print(f"ledger audit ({out}/ledger): {report.summary()}", file=sys.stderr)
     return report.ok
 

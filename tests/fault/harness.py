@@ -31,7 +31,8 @@ from tests.helpers import run_header, spawn_role, wait_for
 NUM_GENERATIONS = 4
 GROUPS_PER_STEP = 4
 # worker id prefix of each `sluice` subcommand: `workers[<prefix>/<name>]` is its heartbeat
-ROLE_PREFIX = {"train": "trainer", "generate": "generator", "score": "scorer"}
+ROLE_PREFIX = {"train": "trainer", "generate": "generator", "score": "scorer",
+               "archive": "archiver"}
 
 BUS = {"block_ms": 200, "claim_idle_ms": 1500, "heartbeat_s": 0.5, "reconnect_max_s": 1.0}
 CONFIG = """
@@ -64,9 +65,12 @@ class Pipeline:
     Redis) is ended by PID on exit, whatever the test did."""
 
     def __init__(self, tmp: Path, model: Path, run: str = "fault",
-                 cluster: EmbeddedCluster | None = None, partitions: int = 1):
+                 cluster: EmbeddedCluster | None = None, partitions: int = 1,
+                 archive: dict[str, Any] | None = None):
         """Its own redis-server, or with ``cluster`` a run on that (shared) Redis Cluster
-        in ``partitions`` lanes (the cluster outlives the pipeline: it is the session's)."""
+        in ``partitions`` lanes (the cluster outlives the pipeline: it is the session's).
+        ``archive``: the run's ``[archive]`` table (``enabled = true`` added): every role
+        runs with the archive's consumer group, and the audit demands every group in it."""
         self.tmp = tmp
         self.out = tmp / "out"
         self.cluster = cluster
@@ -77,9 +81,12 @@ class Pipeline:
         self.lanes = Lanes(self.keys, partitions)
         bus = {**BUS, **({"cluster": "true", "partitions": partitions} if cluster else {})}
         self.config = tmp / "run.toml"
+        self.archive = archive is not None
+        table = "" if archive is None else "[archive]\nenabled = true\n" + "".join(
+            f"{k} = {json.dumps(v)}\n" for k, v in archive.items())
         self.config.write_text(
             run_header(run, self.out, self.url, **bus)
-            + CONFIG.format(model=model, n=NUM_GENERATIONS, g=GROUPS_PER_STEP))
+            + CONFIG.format(model=model, n=NUM_GENERATIONS, g=GROUPS_PER_STEP) + table)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.roles: dict[str, str] = {}  # name -> sluice subcommand
         self.ended: set[str] = set()  # roles the test itself stopped or killed
@@ -163,9 +170,10 @@ class Pipeline:
 
     def stop_all(self) -> dict[str, int]:
         """Generators first (they finish and append what they hold), then scorers, then
-        the trainer; every exit code must be 0 (or already dead by our hand)."""
+        the trainer, then the archiver (it writes what it holds); every exit code must be
+        0 (or already dead by our hand)."""
         codes = {}
-        for role in ("generate", "score", "train"):
+        for role in ("generate", "score", "train", "archive"):
             for name in [n for n, r in self.roles.items() if r == role]:
                 if self.procs[name].poll() is None:
                     codes[name] = self.stop(name)
@@ -330,7 +338,7 @@ class Pipeline:
 
         rows = read_ledgers(self.out)
         report = audit(self.out, live=asyncio.run(view()), num_generations=NUM_GENERATIONS,
-                       rows=rows, **kw)
+                       rows=rows, **{"archive": self.archive, **kw})
         print(f"[fault check] {self.faults} faults injected: {report.summary()}")
         return report
 

@@ -20,7 +20,7 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "sluice.json"
 
 
 def test_names_are_prefixed_and_grouped_by_stage() -> None:
-    stages = {"rollout", "sample", "batch", "eval", "perf", "bus"}
+    stages = {"rollout", "sample", "batch", "eval", "perf", "bus", "archive"}
     assert all(s.name.split("_", 1)[0] in stages for s in SPECS)
     assert len({s.name for s in SPECS}) == len(SPECS)
     names = exposed_names()

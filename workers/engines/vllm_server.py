@@ -70,7 +70,13 @@ class ServerSpec:
         return cmd + list(self.extra_args)
 
     def env(self, cache_dir: Path) -> dict[str, str]:
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
+        """This process's environment plus `own_env`."""
+        return {**os.environ, **self.own_env(cache_dir)}
+
+    def own_env(self, cache_dir: Path | str) -> dict[str, str]:
+        """The variables a server needs beyond its parent's environment (the module
+        docstring's list); `sluice deploy render` writes exactly these."""
+        env = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_CACHE_ROOT": str(cache_dir), "PYTHONUNBUFFERED": "1"}
         if self.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)

@@ -1,0 +1,162 @@
+"""The compose target: one compose project for one host with GPUs (``docker compose up``).
+
+Services: the bundled Redis (AOF on a named volume, the ACL file bind-mounted); a one-shot
+``prepare`` that builds the tiny model when ``model.init`` asks for it; the trainer (one
+process: ``up.trainer_ranks`` > 1 is refused at render); a one-shot ``wait-trainer`` that
+returns once the trainer has announced (`sluice deploy wait`), which the other roles wait
+for (``service_completed_successfully``); the scorers (``up.scorers`` replicas); one
+service per generator and the evaluator, each joined to the network namespace of its
+first vLLM server (``network_mode: service:…``) so it reaches its servers on loopback,
+and started once they are healthy. Every role works in the named volume ``data`` at
+/data. Each role reads its own Redis user from ``secrets/<role>.env`` (``env_file``: the
+passwords are in no compose file and no argv). GPUs are handed out in order as
+``device_ids`` (trainer, then servers and roles as they come), so no two services share
+one unless they are replicas of one service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pipeline.hub import is_hub_id
+from pipeline.ops.deploy.files import Rendered, dump_yaml
+from pipeline.ops.deploy.plan import DATA_DIR, Plan, Proc, Server, credentials_env
+from pipeline.ops.deploy.runconfig import run_config
+
+CONFIG = "/etc/sluice/run.toml"
+
+
+class _Gpus:
+    """Hands out host GPU indices in order."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def take(self, n: int) -> dict[str, Any]:
+        if not n:
+            return {}
+        ids = [str(self.next + i) for i in range(n)]
+        self.next += n
+        return {"deploy": {"resources": {"reservations": {"devices": [
+            {"driver": "nvidia", "device_ids": ids, "capabilities": ["gpu"]}]}}}}
+
+
+def _base(plan: Plan, image: str, command: list[str], role: str = "") -> dict[str, Any]:
+    d = plan.cfg.deploy
+    svc: dict[str, Any] = {
+        "image": image, "command": command, "working_dir": DATA_DIR,
+        "environment": {"HF_HOME": f"{DATA_DIR}/.cache/huggingface", "PYTHONUNBUFFERED": "1"},
+        "volumes": ["data:/data", f"./run.toml:{CONFIG}:ro"],
+        "stop_grace_period": f"{d.grace_s}s",
+    }
+    env_files: list[Any] = []
+    if role and d.acl:
+        env_files.append(f"secrets/{role}.env")
+    if role in ("trainer", "generator", "evaluator") and \
+            plan.cfg.weights.store.startswith("s3://"):
+        # the object store's AWS_* variables, a file the user writes (the roles' start
+        # checks name weights.store when it is missing or wrong): docs/deploying.md
+        env_files.append({"path": "secrets/s3.env", "required": False})
+    if env_files:
+        svc["env_file"] = env_files
+    return svc
+
+
+def _image(plan: Plan, gpus: int) -> str:
+    return plan.cfg.deploy.gpu_image if gpus else plan.cfg.deploy.image
+
+
+def _server(plan: Plan, s: Server, gpus: _Gpus, after: dict[str, Any],
+            netns: str | None) -> dict[str, Any]:
+    svc = _base(plan, _image(plan, int(s.gpu)), s.argv)
+    svc["environment"].update(s.env(f"{DATA_DIR}/.cache/vllm"))
+    probe = f"import urllib.request; urllib.request.urlopen('{s.url}/health', timeout=2)"
+    svc["healthcheck"] = {"test": ["CMD", s.spec.python, "-c", probe], "interval": "5s",
+                          "timeout": "5s",
+                          "retries": max(1, int(plan.cfg.generation.vllm.start_timeout_s / 5))}
+    svc["depends_on"] = after
+    if netns:
+        svc["network_mode"] = f"service:{netns}"
+    svc.update(gpus.take(int(s.gpu)))
+    return svc
+
+
+def _with_servers(plan: Plan, proc: Proc, name: str, argv: list[str], gpus: _Gpus,
+                  services: dict[str, Any], after: dict[str, Any]) -> None:
+    """``name`` and its vLLM servers: the first server owns the network namespace."""
+    deps = dict(after)
+    owner = None
+    for j, s in enumerate(proc.servers):
+        sname = f"vllm-{name}-{j}"
+        services[sname] = _server(plan, s, gpus, after, owner)
+        owner = owner or sname
+        deps[sname] = {"condition": "service_healthy"}
+    svc = _base(plan, _image(plan, proc.gpus), argv, proc.role)
+    svc["depends_on"] = deps
+    if owner:
+        svc["network_mode"] = f"service:{owner}"
+    svc.update(gpus.take(proc.gpus))
+    services[name] = svc
+
+
+def render(plan: Plan, data: Mapping[str, Any]) -> Rendered:
+    cfg, d = plan.cfg, plan.cfg.deploy
+    gpus = _Gpus()
+    services: dict[str, Any] = {}
+    trainer_after: dict[str, Any] = {}
+    if plan.bundled:
+        cmd = ["redis-server", "--port", str(d.redis_port), "--appendonly", "yes",
+               "--appendfsync", "everysec", "--save", "", "--dir", "/data"]
+        vols = ["redis-data:/data"]
+        if d.acl:
+            cmd += ["--aclfile", "/etc/redis/users.acl"]
+            vols.append("./secrets/users.acl:/etc/redis/users.acl:ro")
+        else:
+            cmd += ["--protected-mode", "no"]
+        services["redis"] = {"image": d.redis_image, "command": cmd, "volumes": vols,
+                             "stop_grace_period": f"{d.grace_s}s"}
+        trainer_after["redis"] = {"condition": "service_started"}
+    if cfg.model.init and not is_hub_id(cfg.model.path):
+        services["prepare"] = _base(plan, d.image, [
+            "sh", "-c", '[ -d "$$0" ] || exec sluice init-model "$$0"', cfg.model.path])
+        trainer_after["prepare"] = {"condition": "service_completed_successfully"}
+    t = plan.trainer
+    trainer = _base(plan, _image(plan, t.gpus), t.argv(CONFIG), "trainer")
+    if trainer_after:
+        trainer["depends_on"] = trainer_after
+    trainer.update(gpus.take(t.gpus))
+    services["trainer"] = trainer
+    wait = _base(plan, d.image, ["sluice", "deploy", "wait", CONFIG, "--role", "evaluator",
+                                 "--trainer", "--timeout", "3600"], "evaluator")
+    wait["depends_on"] = {"trainer": {"condition": "service_started"}}
+    services["wait-trainer"] = wait
+    after = {"wait-trainer": {"condition": "service_completed_successfully"}}
+    s = plan.scorers
+    scorers = _base(plan, _image(plan, s.gpus), s.argv(CONFIG), "scorer")
+    scorers["depends_on"] = after
+    scorers["deploy"] = {"replicas": s.count}
+    if s.gpus:  # every replica gets the same GPU(s)
+        scorers["deploy"].update(gpus.take(s.gpus)["deploy"])
+    services["scorer"] = scorers
+    g = plan.generators
+    for i in range(g.count):
+        _with_servers(plan, g, f"generator-{i}",
+                      [*g.argv(CONFIG), "--name", f"generator-{i}"], gpus, services, after)
+    e = plan.evaluator
+    _with_servers(plan, e, "evaluator", [*e.argv(CONFIG), "--name", "evaluator"], gpus,
+                  services, after)
+    project = {"name": plan.name, "services": services,
+               "volumes": {"data": {}, **({"redis-data": {}} if plan.bundled else {})}}
+    r = Rendered()
+    r.add("compose.yaml", dump_yaml(project, header=[
+        f"Run {plan.run!r} on one host: rendered by `sluice deploy render --target compose`",
+        "(docs/deploying.md); re-render instead of editing.  docker compose up -d"]))
+    url = (f"redis://redis:{d.redis_port}/0" if plan.bundled else cfg.bus.redis_url)
+    r.add("run.toml", run_config(plan, data, {"bus.redis_url": url}))
+    if d.acl:
+        for role in plan.credentials:
+            r.secret(f"{role}.env", credentials_env(plan, role))
+        if plan.bundled:  # password hashes only: readable by the container's redis user
+            r.secret("users.acl", plan.acl_text, mode=0o644)
+    return r
