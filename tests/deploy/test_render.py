@@ -78,6 +78,7 @@ BAD = [
     ("k8s", ["deploy.scorers_min=5", "deploy.scorers_max=2"], "deploy"),
     ("k8s", ["deploy.scorers_min=0"], "deploy.scorers_min"),
     ("compose", ["up.generators=0"], "up.generators"),
+    ("k8s", ["archive.enabled=true", "archive.path=/scratch/archive"], "archive.path"),
 ]
 
 
@@ -208,3 +209,23 @@ def test_an_object_store_reaches_the_weight_roles_from_a_secret_never_a_manifest
     assert s3_env in services["trainer"]["env_file"]
     assert all(s3_env not in svc.get("env_file", []) for n, svc in services.items()
                if n.startswith("scorer"))
+
+
+def test_an_archiving_run_places_one_archiver_with_its_own_redis_user(
+        tmp_path: Path, creds: dict[str, Path]) -> None:
+    """archive.enabled: the Slurm job runs one archiver, under its fixed name, beside Redis
+    on the trainer's component, logged in as the archiver's Redis user (its own credentials
+    file); a run without the archive renders none and needs no archiver user."""
+    rc, out = _render(tmp_path / "a", "slurm", "archive.enabled=true", creds=creds["copy"])
+    assert rc == 0
+    script = (out / "sluice.sbatch").read_text()
+    steps = [line for line in script.splitlines() if line.startswith("step ")]
+    archivers = [line for line in steps if " archiver " in line]
+    assert len(archivers) == 1 and archivers[0].startswith("step 0 ") and \
+        " archiver-0 archiver " in archivers[0], steps
+    assert (out / "secrets" / "archiver.toml").is_file()
+    rc, out = _render(tmp_path / "b", "slurm", creds=creds["copy"])
+    assert rc == 0
+    assert " archiver" not in (out / "sluice.sbatch").read_text()
+    assert not (out / "secrets" / "archiver.toml").exists()
+

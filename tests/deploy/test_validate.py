@@ -42,6 +42,7 @@ VARIANTS = {  # name -> (example, overrides): the layouts each target renders di
     "external-cluster-no-acl": ("copy", ["deploy.redis=external", "deploy.acl=false",
                                          "bus.redis_url=redis://redis.invalid:7000",
                                          "bus.cluster=true", "bus.partitions=3"]),
+    "archive-s3": ("copy", ["archive.enabled=true", "archive.path=s3://bucket/archive"]),
 }
 
 
@@ -130,6 +131,16 @@ def test_k8s_builds_with_kustomize_and_validates(variant: str, tmp_path: Path,
         sidecars = gen["spec"]["template"]["spec"]["initContainers"][1:]
         assert [c["restartPolicy"] for c in sidecars] == ["Always"]
         assert sidecars[0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    if variant == "archive-s3":  # one archiver under its fixed name, never two at once
+        arch = next(o for o in objects if o["kind"] == "Deployment"
+                    and o["metadata"]["name"].endswith("-archiver"))
+        assert arch["spec"]["replicas"] == 1
+        assert arch["spec"]["strategy"] == {"type": "Recreate"}
+        main = arch["spec"]["template"]["spec"]["containers"][0]
+        assert main["command"][:4] == ["sluice", "archive", "/etc/sluice/run.toml", "--name"]
+        assert main["command"][4] == "archiver-0"
+        refs = [e["secretRef"]["name"] for e in main["envFrom"]]
+        assert refs == ["sluice-copy-archiver", "sluice-copy-s3"], refs
     if variant == "external-cluster-no-acl":
         assert "StatefulSet" not in kinds and "Secret" not in kinds
         trig = next(o for o in objects if o["kind"] == "ScaledObject")["spec"]["triggers"]
@@ -150,7 +161,7 @@ def _compose(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(out)})
 
 
-@pytest.mark.parametrize("variant", ["copy", "gsm8k"])
+@pytest.mark.parametrize("variant", ["copy", "gsm8k", "archive-s3"])
 def test_compose_validates_with_the_compose_cli(variant: str, tmp_path: Path,
                                                 creds: dict[str, Path]) -> None:
     out = _render(tmp_path, "compose", variant, creds)
@@ -164,6 +175,10 @@ def test_compose_validates_with_the_compose_cli(variant: str, tmp_path: Path,
                for d in s.get("deploy", {}).get("resources", {}).get("reservations", {})
                .get("devices", [])]
         assert sorted(i for x in ids for i in x) == ["0", "1", "2"]
+    if variant == "archive-s3":
+        arch = services["archiver"]
+        assert arch["command"][1:2] == ["archive"] and "archiver-0" in arch["command"]
+        assert "replicas" not in arch.get("deploy", {})  # one, never scaled
     broken = (out / "compose.yaml").read_text().replace("    image:", "    imagez:", 1)
     (out / "compose.yaml").write_text(broken)
     assert _compose(out, "config", "--quiet").returncode != 0

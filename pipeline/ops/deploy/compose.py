@@ -21,7 +21,14 @@ from typing import Any
 
 from pipeline.hub import is_hub_id
 from pipeline.ops.deploy.files import Rendered, dump_yaml
-from pipeline.ops.deploy.plan import DATA_DIR, Plan, Proc, Server, credentials_env
+from pipeline.ops.deploy.plan import (
+    DATA_DIR,
+    Plan,
+    Proc,
+    Server,
+    credentials_env,
+    needs_s3,
+)
 from pipeline.ops.deploy.runconfig import run_config
 
 CONFIG = "/etc/sluice/run.toml"
@@ -53,8 +60,7 @@ def _base(plan: Plan, image: str, command: list[str], role: str = "") -> dict[st
     env_files: list[Any] = []
     if role and d.acl:
         env_files.append(f"secrets/{role}.env")
-    if role in ("trainer", "generator", "evaluator") and \
-            plan.cfg.weights.store.startswith("s3://"):
+    if role and needs_s3(plan.cfg, role):
         # the object store's AWS_* variables, a file the user writes (the roles' start
         # checks name weights.store when it is missing or wrong): docs/deploying.md
         env_files.append({"path": "secrets/s3.env", "required": False})
@@ -146,6 +152,11 @@ def render(plan: Plan, data: Mapping[str, Any]) -> Rendered:
     e = plan.evaluator
     _with_servers(plan, e, "evaluator", [*e.argv(CONFIG), "--name", "evaluator"], gpus,
                   services, after)
+    if plan.archiver:  # one, under its fixed name: compose never scales it
+        a = plan.archiver
+        archiver = _base(plan, d.image, a.argv(CONFIG), "archiver")
+        archiver["depends_on"] = after
+        services["archiver"] = archiver
     project = {"name": plan.name, "services": services,
                "volumes": {"data": {}, **({"redis-data": {}} if plan.bundled else {})}}
     r = Rendered()

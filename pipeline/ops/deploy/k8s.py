@@ -29,7 +29,15 @@ from typing import Any
 from pipeline.hub import is_hub_id
 from pipeline.ops.deploy.files import Rendered, dump_yaml
 from pipeline.ops.deploy.k8s_scaling import labels, scaling_objects
-from pipeline.ops.deploy.plan import DATA_DIR, IMAGE_HOME, Plan, Proc, Server, credentials_env
+from pipeline.ops.deploy.plan import (
+    DATA_DIR,
+    IMAGE_HOME,
+    Plan,
+    Proc,
+    Server,
+    credentials_env,
+    needs_s3,
+)
 from pipeline.ops.deploy.runconfig import run_config
 
 CONFIG_DIR = "/etc/sluice"
@@ -60,7 +68,6 @@ def _volumes(plan: Plan) -> list[dict[str, Any]]:
 MOUNTS = [{"name": "data", "mountPath": DATA_DIR},
           {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
 SECURE = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-WEIGHT_ROLES = ("trainer", "generator", "evaluator")  # the roles that publish or read weights
 
 
 def _container(plan: Plan, name: str, image: str, command: list[str], *, role: str = "",
@@ -79,7 +86,7 @@ def _container(plan: Plan, name: str, image: str, command: list[str], *, role: s
     env_from = []
     if role and d.acl:
         env_from.append({"secretRef": {"name": f"{plan.name}-{role}"}})
-    if role in WEIGHT_ROLES and plan.cfg.weights.store.startswith("s3://"):
+    if role and needs_s3(plan.cfg, role):
         # the object store's AWS_* variables, from a Secret the user creates (never in
         # a manifest): docs/deploying.md, "Weights across machines"
         env_from.append({"secretRef": {"name": f"{plan.name}-s3"}})
@@ -139,6 +146,9 @@ def _pod(plan: Plan, containers: list[dict[str, Any]], init: list[dict[str, Any]
 
 
 def _role_deployment(plan: Plan, proc: Proc, replicas: int) -> dict[str, Any]:
+    """A Deployment of ``replicas`` pods of ``proc``'s role. The archiver's is one pod
+    replaced by ``Recreate`` (the old pod gone before the new starts): two archivers under
+    one name must never run at once (`ARCHIVER_NAME`)."""
     name = f"{plan.name}-{proc.role}"
     init = [_wait(plan, proc.role),
             *(_sidecar(plan, i, s) for i, s in enumerate(proc.servers))]
@@ -148,6 +158,8 @@ def _role_deployment(plan: Plan, proc: Proc, replicas: int) -> dict[str, Any]:
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": _meta(plan, name, proc.role),
             "spec": {"replicas": replicas,
+                     **({"strategy": {"type": "Recreate"}} if proc.role == "archiver"
+                        else {}),
                      "selector": {"matchLabels": labels(plan, proc.role)},
                      "template": {"metadata": {"labels": labels(plan, proc.role)},
                                   "spec": _pod(plan, [main], init, "Always")}}}
@@ -258,6 +270,8 @@ def render(plan: Plan, data: Mapping[str, Any]) -> Rendered:
     files["generators.yaml"] = [_role_deployment(plan, plan.generators, cfg.up.generators)]
     files["scorers.yaml"] = [_role_deployment(plan, plan.scorers, replicas)]
     files["evaluator.yaml"] = [_role_deployment(plan, plan.evaluator, 1)]
+    if plan.archiver:
+        files["archiver.yaml"] = [_role_deployment(plan, plan.archiver, 1)]
     files.update(scaling_objects(plan, redis_host(plan)))
     for path, docs in files.items():
         r.add(path, dump_yaml(*docs, header=head))

@@ -42,12 +42,31 @@ from workers.engines.vllm_server import ServerSpec
 TARGETS = ("slurm", "k8s", "compose")
 
 ROLE_COMMANDS = {"trainer": "train", "generator": "generate", "scorer": "score",
-                 "evaluator": "eval"}
+                 "evaluator": "eval", "archiver": "archive"}
 """Each role's `sluice` subcommand (its Redis identity is the role itself)."""
 
-DEPLOY_ROLES = (*ROLE_COMMANDS, "monitor")
-"""The Redis users a deployment needs: the four roles, and `monitor` (the Slurm job's
-waits and audit, KEDA's lag reads)."""
+DEPLOY_ROLES = ("trainer", "generator", "scorer", "evaluator", "monitor")
+"""The Redis users every deployment needs: the four roles, and `monitor` (the Slurm job's
+waits and audit, KEDA's lag reads); `deploy_roles` adds the archiver's when it runs."""
+
+ARCHIVER_NAME = "archiver-0"
+"""The archiver's consumer name, the same across restarts (`sluice up` uses it too): a
+restarted archiver must read its own pending entries and recognise its newest file
+(docs/archive.md), so a deployment runs exactly one, under this name, never two at once."""
+
+
+def needs_s3(cfg: Config, role: str) -> bool:
+    """Whether ``role`` reads or writes an object store: the weight roles when
+    ``weights.store`` is one, the archiver when ``archive.path`` is (its AWS_*
+    variables come from a secret the user writes: docs/deploying.md)."""
+    if role in ("trainer", "generator", "evaluator"):
+        return cfg.weights.store.startswith("s3://")
+    return role == "archiver" and cfg.archive.path.startswith("s3://")
+
+
+def deploy_roles(cfg: Config) -> tuple[str, ...]:
+    """The Redis users ``cfg``'s deployment logs in as."""
+    return (*DEPLOY_ROLES, *(("archiver",) if cfg.archive.enabled else ()))
 
 IMAGE_HOME = "/app"
 """Where the images (deploy/docker) keep the checkout and its virtualenvs."""
@@ -102,8 +121,11 @@ class Proc:
         return username(self.role)
 
     def argv(self, config: str, sluice: str = "sluice") -> list[str]:
-        """``sluice <role> CONFIG``, plus the URLs of its own vLLM servers."""
+        """``sluice <role> CONFIG``, plus the URLs of its own vLLM servers (the
+        archiver: plus its fixed name, `ARCHIVER_NAME`)."""
         out = [sluice, self.command, config]
+        if self.role == "archiver":
+            out += ["--name", ARCHIVER_NAME]
         urls = [s.url for s in self.servers]
         if urls and self.role == "generator":
             out += ["--set", "generation.vllm.urls=" + _json_list(urls)]
@@ -130,6 +152,7 @@ class Plan:
     group: str  # the scorers' consumer group
     credentials: dict[str, Credentials] = field(default_factory=dict)  # role -> its user
     acl_text: str = ""  # users.acl for a bundled Redis with ACL users
+    archiver: Proc | None = None  # with archive.enabled: one, named ARCHIVER_NAME
 
     @property
     def run(self) -> str:
@@ -137,7 +160,8 @@ class Plan:
 
     @property
     def roles(self) -> tuple[Proc, ...]:
-        return (self.trainer, self.generators, self.scorers, self.evaluator)
+        return (self.trainer, self.generators, self.scorers, self.evaluator,
+                *((self.archiver,) if self.archiver else ()))
 
     @property
     def bundled(self) -> bool:
@@ -195,12 +219,14 @@ def make_plan(cfg: Config, target: str) -> Plan:
     evaluator = Proc("evaluator", 1, 1,
                      int(cfg.eval_engine == "transformers" and _gpu(gen.device)), mem,
                      eval_servers)
+    archiver = Proc("archiver", 1, 1, 0, mem) if cfg.archive.enabled else None
     lanes = Lanes(Keys(cfg.run.name), cfg.bus.partitions)
     creds, acl_text = _credentials(cfg)
     return Plan(cfg=cfg, target=target, name=dns_name(cfg.run.name), trainer=trainer,
                 generators=generators, scorers=scorers, evaluator=evaluator,
                 ranks_per_node=ranks_per_node, streams=tuple(lanes.streams("rollouts")),
-                group=SCORERS_GROUP, credentials=creds, acl_text=acl_text)
+                group=SCORERS_GROUP, credentials=creds, acl_text=acl_text,
+                archiver=archiver)
 
 
 def _server(cfg: Config, python: str, port: int) -> Server:
@@ -227,10 +253,6 @@ def _check(cfg: Config, target: str) -> None:
     d, up, v = cfg.deploy, cfg.up, cfg.generation.vllm
     if up.generators < 1:
         raise ConfigError("up.generators: a deployment needs at least one generator")
-    if getattr(getattr(cfg, "archive", None), "enabled", False):
-        raise ConfigError("archive.enabled: a rendered deployment has no archiver role yet; "
-                          "render with archive.enabled = false and run `sluice archive` "
-                          "beside it")
     if up.trainer_ranks % d.trainer_nodes:
         raise ConfigError(f"deploy.trainer_nodes: {d.trainer_nodes} node(s) cannot share "
                           f"up.trainer_ranks = {up.trainer_ranks} ranks evenly")
@@ -257,11 +279,15 @@ def _check(cfg: Config, target: str) -> None:
             raise ConfigError("metrics.port: roles share Slurm nodes, so one port cannot "
                               "serve them all; leave it 0 on the slurm target")
     else:
-        out = PurePosixPath(cfg.run.output_dir)
-        if out.is_absolute() or ".." in out.parts:
-            raise ConfigError(f"run.output_dir: {cfg.run.output_dir!r} must be a relative "
-                              f"path inside the shared volume ({DATA_DIR}, every role's "
-                              f"working directory) on the {target} target")
+        for key, value in (("run.output_dir", cfg.run.output_dir),
+                           ("archive.path", cfg.archive.path)):
+            if "://" in value:  # an object store (archive.path = s3://...): no volume
+                continue
+            out = PurePosixPath(value)
+            if out.is_absolute() or ".." in out.parts:
+                raise ConfigError(f"{key}: {value!r} must be a relative path inside the "
+                                  f"shared volume ({DATA_DIR}, every role's working "
+                                  f"directory) on the {target} target")
     if d.redis == "external":
         if not cfg.bus.redis_url:
             raise ConfigError('bus.redis_url: deploy.redis = "external" needs the URL of '
@@ -305,7 +331,7 @@ def _credentials(cfg: Config) -> tuple[dict[str, Credentials], str]:
         raise ConfigError(f"bus.credentials_file: the user or password of [{bad[0]}] has "
                           "characters an env file cannot hold unquoted; render it with "
                           "`sluice acl`")
-    missing = [r for r in DEPLOY_ROLES if r not in creds]
+    missing = [r for r in deploy_roles(cfg) if r not in creds]
     if missing:
         raise ConfigError(f"bus.credentials_file: {path} has no [{'], ['.join(missing)}] "
                           "table(s); render it with `sluice acl`")
@@ -323,7 +349,7 @@ def _credentials(cfg: Config) -> tuple[dict[str, Credentials], str]:
             raise ConfigError(f"bus.credentials_file: {acl_path} grants no key of run "
                               f"{cfg.run.name!r} (run.name); render it with `sluice acl` "
                               "for this run")
-    return {r: creds[r] for r in DEPLOY_ROLES}, acl
+    return {r: creds[r] for r in deploy_roles(cfg)}, acl
 
 
 def slurm_mem_mb(gib: float) -> int:

@@ -27,7 +27,14 @@ from typing import Any
 
 from pipeline.hub import is_hub_id
 from pipeline.ops.deploy.files import Rendered
-from pipeline.ops.deploy.plan import Plan, Proc, Server, credentials_toml, slurm_mem_mb
+from pipeline.ops.deploy.plan import (
+    ARCHIVER_NAME,
+    Plan,
+    Proc,
+    Server,
+    credentials_toml,
+    slurm_mem_mb,
+)
 from pipeline.ops.deploy.runconfig import run_config
 
 SCRIPT = "sluice.sbatch"
@@ -91,6 +98,8 @@ def layout(plan: Plan) -> list[Step]:
         role(plan.generators, GENERATORS, i % gnodes, f"generator-{i}")
     g = TRAINER if d.evaluator_with == "trainer" else GENERATORS
     role(plan.evaluator, g, 0, "evaluator")
+    if plan.archiver:  # beside Redis: it reads every scored group once more
+        role(plan.archiver, TRAINER, 0, ARCHIVER_NAME)
     return steps
 
 
