@@ -6,7 +6,10 @@ model fine-tuned here on copy pairs (supervised, 300 Adam steps, ~15-30 s on 2 c
 the student is a fresh tiny model (`sluice up` builds it, another seed) that never sees a
 reward: its only signal is the teacher's logprob of each token it samples. Measured: 197 s
 in all on a nearly idle 2-core machine (teacher 18 s, exact match 0.988; the student at
-0.953 after 169 s, step 1843; KL 4.7 -> 0.2), 380 s with the machine loaded (load ~4).
+0.953 after 169 s, step 1843; KL 4.7 -> 0.2), 380 s with the machine loaded (load ~4),
+453 s on a 2-core machine whose torch ran 2.2x slower (2026-12-02). The run's time cap
+(840 s) and the test's timeout leave room for a machine slower still: it waits for the
+student to reach the target, not for a time that happens to suffice.
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ def heldout_exact_match(model_dir: Path, cfg: Config) -> float:
     return res["pass@1"]
 
 
+@pytest.mark.timeout(1200)
 def test_a_distilled_student_closes_its_kl_and_reaches_the_teachers_exact_match(
         tmp_path: Path) -> None:
     config = tmp_path / "distill.toml"
@@ -143,8 +147,8 @@ def test_a_distilled_student_closes_its_kl_and_reaches_the_teachers_exact_match(
     out = tmp_path / "run"
     args = up_args(config, out, tmp_path / "student", "distill", f"scoring.teacher={teacher}",
                    "trainer.lr=2e-4", "trainer.max_steps=5000",
-                   f"up.stop_at=pass@1>={target}", "run.max_time_s=540")
-    proc, summary = run_up(args, out, tmp_path, 660)
+                   f"up.stop_at=pass@1>={target}", "run.max_time_s=840")
+    proc, summary = run_up(args, out, tmp_path, 960)
     assert summary["reason"] == f"stop_at pass@1>={target} reached", summary
     assert summary["eval_reward_before"] == 0.0, summary  # the fresh student cannot copy
     assert summary["conservation"]["balanced"], summary

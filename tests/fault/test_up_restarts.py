@@ -1,6 +1,12 @@
 """`sluice up` keeps the run alive: kill -9 each kind of role once under it; every one is
-restarted, the run reaches its end, and `sluice up`'s own audit of the whole history is
-clean (a violation would make it exit 1)."""
+restarted and the run trains on after each, and when it is then stopped (Ctrl-C, as a
+person would) `sluice up`'s own audit of the whole history is clean and no role is
+reported failed.
+
+The run is stopped by the test, not at a ``max_steps``: a step count large enough for
+four kills and restarts on a fast machine took six minutes to train on a slow one (the
+test waited on a count, not on the condition it checks); now it waits only for what it
+checks, each role back and training going on after it."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from tests.helpers import ROOT, role_logs, up_args, wait_for
 
 pytestmark = pytest.mark.fault
 
-MAX_STEPS = 1500  # room for four kills and restarts even on a machine 3x faster
+MAX_STEPS = 100_000  # never reached: the test stops the run itself
 
 
 def role_pid(up_pid: int, name: str) -> int | None:
@@ -62,7 +68,8 @@ def test_kill_9_of_each_role_under_sluice_up_is_survived(tmp_path: Path) -> None
                      lambda n=name: f"{n} restarted\n{state()}")
             wait_for(lambda s=step: max_step(out) >= s + 5, 180,
                      lambda n=name: f"training going on after {n} was killed\n{state()}")
-        assert up.wait(timeout=540) == 0, state()
+        up.send_signal(signal.SIGINT)  # Ctrl-C: stop, summarise, audit
+        assert up.wait(timeout=240) == 130, state()
     finally:
         if up.poll() is None:
             up.send_signal(signal.SIGINT)
@@ -73,8 +80,9 @@ def test_kill_9_of_each_role_under_sluice_up_is_survived(tmp_path: Path) -> None
                 up.wait()
     err = (tmp_path / "up.err").read_text()
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["reason"] == "finished" and summary["steps"] == MAX_STEPS, summary
+    assert summary["reason"] == "interrupted" and summary["steps"] >= 30, summary
     assert summary["conservation"]["balanced"], summary
+    assert "; last lines of" not in err, err[-3000:]  # no role left failed
     for name in ("scorer-0", "generator-0", "evaluator", "trainer-0"):
         assert f"{name} exited with code -9; restarting it in" in err, err[-3000:]
     assert "ledger audit" in err and ": OK:" in err, err[-3000:]
