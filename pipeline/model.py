@@ -36,6 +36,7 @@ from transformers import (
 )
 
 from pipeline.devices import DTYPES
+from pipeline.textdecode import GENERIC_TOKENIZERS
 
 if TYPE_CHECKING:  # peft is imported lazily: full-weight runs never need it
     from peft import PeftModel
@@ -182,10 +183,6 @@ def load_model(
     model.to(device)
     model.eval()
     return model, load_tokenizer(folder)
-
-
-GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
-"""``tokenizer_class`` values that say "tokenizer.json is the whole tokenizer"."""
 
 
 def load_tokenizer(path: str | Path, revision: str = "main") -> PreTrainedTokenizerBase:

@@ -7,7 +7,8 @@ their own), and the janitor trims only what every group acknowledged, so no entr
 the trainer (``archive.max_backlog``, `trainer.reader.Reader.hold_for_archive`).
 
 Per entry: decoded, turned into an archive row (`pipeline.archive.format`: the prompt dict
-from the task, each completion's text decoded with the run's tokenizer) and buffered,
+from the task, each completion's text decoded with the run's tokenizer, without
+transformers where that is exact: `pipeline.textdecode`) and buffered,
 pending. A file is written (`pipeline.archive.store`: whole or not at all) when the
 buffer reaches ``archive.file_mb``, ``archive.file_s`` or half of ``archive.max_backlog``;
 then, in this order, an ``archived`` ledger line per group (with the file's name), and the
@@ -51,9 +52,9 @@ from pipeline.bus.ledger import Ledger, read_ledgers
 from pipeline.bus.schema import RunFinished, ScoredGroup
 from pipeline.config import Config, ConfigError
 from pipeline.metrics import start as start_metrics
-from pipeline.model import load_tokenizer
 from pipeline.rundir import read_run
 from pipeline.runtime import Heartbeat, connect, join, limits
+from pipeline.textdecode import completion_decoder, full_decoder
 from workers.tasks.catalog import Task, task_from_config
 
 log = logging.getLogger("sluice.archiver")
@@ -78,8 +79,16 @@ class Archiver:
         self.wid = worker_id("archiver", self.consumer)
         self.metrics = start_metrics(cfg.metrics, "archiver", self.wid,
                                      groups=[("scored", ARCHIVERS_GROUP)], lengths=["scored"])
-        self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.revision)
-        self.task: Task = task_from_config(cfg, self.tokenizer)
+        if cfg.task.max_prompt_tokens:  # prompt indices depend on rendered lengths
+            from pipeline.model import load_tokenizer
+
+            tokenizer = load_tokenizer(cfg.model.path, cfg.model.revision)
+            self.task: Task = task_from_config(cfg, tokenizer)
+            self.decode, kind = full_decoder(tokenizer), "full: task.max_prompt_tokens"
+        else:  # the task's prompts need no tokenizer: decode without transformers if exact
+            self.task = task_from_config(cfg)
+            self.decode, kind = completion_decoder(cfg.model.path, cfg.model.revision)
+        log.info("archiver decoding completions with the %s tokenizer", kind)
         self.store = ArchiveStore(archive_url(cfg))
         self.limits = limits(cfg)
         self.ledger = Ledger.for_role(cfg.output_path, "archiver", self.consumer, cfg.run.ledger)
@@ -189,11 +198,11 @@ class Archiver:
 
     def texts(self, groups: list[ScoredGroup]) -> list[list[str]]:
         """Each completion's text, decoded as the generator decoded it
-        (``decode(ids, skip_special_tokens=True)``), every completion of a read in one
-        ``batch_decode`` call (the same decoding, one call into the tokenizer)."""
-        ids = [r.completion_ids.tolist() for g in groups for r in g.group.rollouts]
-        flat = iter(self.tokenizer.batch_decode(ids, skip_special_tokens=True) if ids else [])
-        return [[str(next(flat)) for _ in g.group.rollouts] for g in groups]
+        (``decode(ids, skip_special_tokens=True)``, `pipeline.textdecode`), every
+        completion of a read in one call."""
+        flat = iter(self.decode([r.completion_ids.tolist() for g in groups
+                                 for r in g.group.rollouts]))
+        return [[next(flat) for _ in g.group.rollouts] for g in groups]
 
     def prompt(self, gid: str) -> dict[str, Any] | None:
         """The task's prompt dict of group ``gid`` (``epoch:prompt_index``)."""

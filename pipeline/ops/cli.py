@@ -11,6 +11,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pipeline.config import Config, ConfigError, load_config
 
@@ -216,9 +217,12 @@ def _preflight(cfg: Config, cmd: str) -> None:
     the tokenizer.)"""
     import functools
 
-    from pipeline.model import tokenizer_if_present
+    @functools.cache
+    def tokenizer() -> Any:  # imported here: `sluice archive` loads no transformers
+        from pipeline.model import tokenizer_if_present
 
-    tokenizer = functools.cache(lambda: tokenizer_if_present(cfg))
+        return tokenizer_if_present(cfg)
+
     if cmd in ("train", "up"):
         from trainer import trainer
 

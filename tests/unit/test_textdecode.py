@@ -1,0 +1,63 @@
+"""The archiver's decoder gives the generator's text exactly, with or without
+transformers (`pipeline.textdecode`)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.model import load_tokenizer
+from pipeline.textdecode import completion_decoder, light_reason
+
+
+def test_the_tiny_tokenizer_decodes_light_and_identically(tiny_model_dir: Path) -> None:
+    decode, kind = completion_decoder(str(tiny_model_dir))
+    assert kind == "light"
+    tok = load_tokenizer(tiny_model_dir)
+    rng = random.Random(0)
+    n = len(tok)
+    batch = [[i] for i in range(n)]  # every id alone, the special ones included
+    batch += [[rng.randrange(n) for _ in range(rng.randrange(0, 40))] for _ in range(300)]
+    assert decode(batch) == [tok.decode(ids, skip_special_tokens=True) for ids in batch]
+    assert decode([]) == []
+    # the special tokens really are dropped (the comparison above is not vacuous)
+    assert decode([[tok.eos_token_id, tok.convert_tokens_to_ids("a")]]) == ["a"]
+
+
+def _edited(src: Path, dst: Path, **config: object) -> Path:
+    shutil.copytree(src, dst)
+    p = dst / "tokenizer_config.json"
+    p.write_text(json.dumps({**json.loads(p.read_text()), **config}))
+    return dst
+
+
+@pytest.mark.parametrize(("edit", "why"), [
+    ({"tokenizer_class": "Qwen2Tokenizer"}, "not generic"),
+    ({"clean_up_tokenization_spaces": True}, "clean_up_tokenization_spaces"),
+    ({"additional_special_tokens": ["7"]}, "additional_special_tokens"),
+    ({"eos_token": "7"}, "eos_token '7' is not a special token"),
+])
+def test_a_tokenizer_transformers_would_change_decodes_through_transformers(
+        tiny_model_dir: Path, tmp_path: Path, edit: dict[str, object], why: str) -> None:
+    folder = _edited(tiny_model_dir, tmp_path / "m", **edit)
+    reason = light_reason(folder)
+    assert reason is not None and why in reason
+    decode, kind = completion_decoder(str(folder))
+    assert kind.startswith("full: ")
+    tok = load_tokenizer(folder)
+    ids = [[tok.convert_tokens_to_ids(c) for c in "7 + 7"], [1, 2, 3]]
+    assert decode(ids) == tok.batch_decode(ids, skip_special_tokens=True)
+
+
+def test_the_archiver_role_imports_neither_torch_nor_transformers() -> None:
+    code = ("import sys, workers.archiver, pipeline.ops.cli; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parents[2])
+    assert out.stdout.strip() == "[]"
