@@ -5,8 +5,7 @@ The generator's text of a completion is ``tokenizer.decode(ids, skip_special_tok
 with the tokenizer `pipeline.model.load_tokenizer` returns. The archiver needs the same
 strings for every completion it keeps, and nothing else of transformers; importing it (and
 torch under it) costs seconds of CPU per start, and its fast tokenizer's ``batch_decode``
-loops in Python over one Rust call per sequence. So `completion_decoder` returns a
-decoder that is either
+loops in Python over one Rust call per sequence. So a decoder is either
 
 - **light**: the ``tokenizers`` library alone, ``Tokenizer.from_file("tokenizer.json")``
   and one ``decode_batch`` call per batch, used only where it is provably the same
@@ -18,7 +17,8 @@ decoder that is either
   tokenizer.json (so transformers adds none that ``skip_special_tokens`` would drop and
   the Rust decoder would keep). The tiny model's tokenizer is such a folder.
 - **full**: anything else goes through `pipeline.model.load_tokenizer` and its
-  ``batch_decode``, unchanged.
+  ``batch_decode``, unchanged (`full_decoder`; the caller loads the tokenizer, so this
+  module imports neither transformers nor `pipeline.model`).
 
 tests/unit/test_textdecode.py checks the light decoder against the full one on every id
 of the vocabulary and on random sequences, and that each rule above sends a folder to the
@@ -72,26 +72,22 @@ def light_reason(folder: str | Path) -> str | None:
     return None
 
 
-def completion_decoder(path: str, revision: str = "main") -> tuple[Decoder, str]:
-    """``(decode, kind)``: ``decode(batch)`` is ``[tokenizer.decode(ids,
-    skip_special_tokens=True) for ids in batch]`` for the tokenizer of ``model.path``;
-    ``kind`` is ``"light"`` or ``"full: <why>"`` (module docstring)."""
-    from pipeline.hub import resolve_model
-
-    folder = Path(resolve_model(path, revision).local_dir)
+def light_decoder(folder: str | Path) -> Decoder:
+    """The ``tokenizers``-only decoder of a folder `light_reason` passes (module rules):
+    ``decode(batch) == [tokenizer.decode(ids, skip_special_tokens=True) for ids in
+    batch]``, one ``decode_batch`` call."""
     why = light_reason(folder)
-    if why is None:
-        from tokenizers import Tokenizer
+    if why is not None:
+        raise ValueError(f"{folder}: the tokenizers library alone would not decode as "
+                         f"transformers does: {why}")
+    from tokenizers import Tokenizer
 
-        tk = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tk = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
 
-        def light(batch: Sequence[Sequence[int]]) -> list[str]:
-            return tk.decode_batch([list(ids) for ids in batch], skip_special_tokens=True)
+    def light(batch: Sequence[Sequence[int]]) -> list[str]:
+        return tk.decode_batch([list(ids) for ids in batch], skip_special_tokens=True)
 
-        return light, "light"
-    from pipeline.model import load_tokenizer
-
-    return full_decoder(load_tokenizer(str(folder))), f"full: {why}"
+    return light
 
 
 def full_decoder(tokenizer: Any) -> Decoder:

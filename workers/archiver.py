@@ -54,7 +54,7 @@ from pipeline.config import Config, ConfigError
 from pipeline.metrics import start as start_metrics
 from pipeline.rundir import read_run
 from pipeline.runtime import Heartbeat, connect, join, limits
-from pipeline.textdecode import completion_decoder, full_decoder
+from pipeline.textdecode import Decoder, full_decoder, light_decoder, light_reason
 from workers.tasks.catalog import Task, task_from_config
 
 log = logging.getLogger("sluice.archiver")
@@ -79,15 +79,7 @@ class Archiver:
         self.wid = worker_id("archiver", self.consumer)
         self.metrics = start_metrics(cfg.metrics, "archiver", self.wid,
                                      groups=[("scored", ARCHIVERS_GROUP)], lengths=["scored"])
-        if cfg.task.max_prompt_tokens:  # prompt indices depend on rendered lengths
-            from pipeline.model import load_tokenizer
-
-            tokenizer = load_tokenizer(cfg.model.path, cfg.model.revision)
-            self.task: Task = task_from_config(cfg, tokenizer)
-            self.decode, kind = full_decoder(tokenizer), "full: task.max_prompt_tokens"
-        else:  # the task's prompts need no tokenizer: decode without transformers if exact
-            self.task = task_from_config(cfg)
-            self.decode, kind = completion_decoder(cfg.model.path, cfg.model.revision)
+        self.decode, self.task, kind = decoder_and_task(cfg)
         log.info("archiver decoding completions with the %s tokenizer", kind)
         self.store = ArchiveStore(archive_url(cfg))
         self.limits = limits(cfg)
@@ -300,6 +292,24 @@ class Archiver:
         if not self.cfg.run.ledger:
             return
         write_dispositions(self.cfg, self.store)
+
+
+def decoder_and_task(cfg: Config) -> tuple[Decoder, Task, str]:
+    """How completions are decoded (`pipeline.textdecode`), the run's task, and which
+    decoder (``"light"`` or ``"full: <why>"``). The task needs the tokenizer only where
+    ``task.max_prompt_tokens`` drops prompts by their rendered length (the indices the
+    generators use depend on it); otherwise transformers is loaded only if the light
+    decoder would not be exact."""
+    from pipeline.hub import resolve_model
+
+    folder = resolve_model(cfg.model.path, cfg.model.revision).local_dir
+    why = "task.max_prompt_tokens" if cfg.task.max_prompt_tokens else light_reason(folder)
+    if why is None:
+        return light_decoder(folder), task_from_config(cfg), "light"
+    from pipeline.model import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    return full_decoder(tokenizer), task_from_config(cfg, tokenizer), f"full: {why}"
 
 
 def _s(v: Any) -> str:

@@ -12,13 +12,26 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.config import load_config
 from pipeline.model import load_tokenizer
-from pipeline.textdecode import completion_decoder, light_reason
+from pipeline.textdecode import light_decoder, light_reason
+from workers.archiver import decoder_and_task
+from workers.tasks.catalog import task_from_config
+
+ROOT = Path(__file__).parents[2]
+
+
+def archiver_decoder(folder: Path, *sets: str) -> tuple[object, str]:
+    """The archiver's decoder of a run on the model at ``folder`` and its kind."""
+    cfg = load_config(ROOT / "examples" / "copy.toml", [f"model.path={folder}", *sets])
+    decode, _, kind = decoder_and_task(cfg)
+    return decode, kind
 
 
 def test_the_tiny_tokenizer_decodes_light_and_identically(tiny_model_dir: Path) -> None:
-    decode, kind = completion_decoder(str(tiny_model_dir))
+    decode, kind = archiver_decoder(tiny_model_dir)
     assert kind == "light"
+    assert light_reason(tiny_model_dir) is None
     tok = load_tokenizer(tiny_model_dir)
     rng = random.Random(0)
     n = len(tok)
@@ -48,11 +61,30 @@ def test_a_tokenizer_transformers_would_change_decodes_through_transformers(
     folder = _edited(tiny_model_dir, tmp_path / "m", **edit)
     reason = light_reason(folder)
     assert reason is not None and why in reason
-    decode, kind = completion_decoder(str(folder))
-    assert kind.startswith("full: ")
+    with pytest.raises(ValueError, match="would not decode as transformers does"):
+        light_decoder(folder)
+    decode, kind = archiver_decoder(folder)
+    assert kind == f"full: {reason}"
     tok = load_tokenizer(folder)
     ids = [[tok.convert_tokens_to_ids(c) for c in "7 + 7"], [1, 2, 3]]
     assert decode(ids) == tok.batch_decode(ids, skip_special_tokens=True)
+
+
+def test_a_task_filtered_by_prompt_length_makes_the_archiver_load_the_tokenizer(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The prompt indices depend on the rendered lengths: the archiver's task must drop
+    what the generators' drops, so it is built with the tokenizer."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "x" * (2 + i % 9), "answer": "1"}) + "\n"
+                            for i in range(40)))
+    sets = ("task.name=hf", f"task.dataset={data}", "task.max_prompt_tokens=6")
+    cfg = load_config(ROOT / "examples" / "copy.toml", [f"model.path={tiny_model_dir}", *sets])
+    _, task, kind = decoder_and_task(cfg)
+    assert kind == "full: task.max_prompt_tokens"
+    generators = task_from_config(cfg, load_tokenizer(tiny_model_dir))
+    assert 0 < len(task) == len(generators) < 40
+    assert [task.prompt(i) for i in range(len(task))] == \
+        [generators.prompt(i) for i in range(len(task))]
 
 
 def test_the_archiver_role_imports_neither_torch_nor_transformers() -> None:
