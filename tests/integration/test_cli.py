@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +23,42 @@ pytestmark = pytest.mark.integration
 def sluice(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pipeline.ops.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
+
+
+_FORKS = multiprocessing.get_context("forkserver")
+_FORKS.set_forkserver_preload(["pipeline.ops.cli", "trainer.trainer", "workers.generator",
+                               "workers.scorer", "workers.evaluator"])
+
+
+def _cli_child(argv: list[str], out: str, err: str) -> None:
+    os.chdir(ROOT)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    from pipeline.ops.cli import main
+
+    sys.exit(main(argv))
+
+
+def sluice_forked(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``sluice ARGS`` as a process of its own, forked from multiprocessing's forkserver,
+    which imported the roles' modules once for the session: the same ``main``, exit code
+    and stdout/stderr as ``python -m pipeline.ops.cli ARGS``, without the seconds each
+    fresh interpreter spends importing torch and transformers (these cases are many). A
+    traceback that escaped ``main`` would be printed to that stderr, as in a real start.
+    `sluice` (a fresh interpreter) covers the entry point itself."""
+    out, err = tmp_path / "cli.stdout", tmp_path / "cli.stderr"
+    proc = _FORKS.Process(target=_cli_child, args=(list(args), str(out), str(err)))
+    proc.start()
+    proc.join(60)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"sluice {' '.join(args)} still running after 60 s:\n"
+                             f"{err.read_text()[-2000:]}")
+    return subprocess.CompletedProcess(list(args), proc.exitcode, out.read_text(),
+                                       err.read_text())
 
 
 def test_status_json_reports_streams_groups_and_conservation(
@@ -176,7 +214,7 @@ def test_bad_start_exits_2_naming_the_problem_without_a_traceback(
     file or argument: never a traceback, and never a role that starts and dies later."""
     for name, text in BAD_START_FILES.items():
         (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
-    p = sluice(*[a.format(tmp=tmp_path) for a in args])
+    p = sluice_forked(tmp_path, *[a.format(tmp=tmp_path) for a in args])
     assert p.returncode == 2, p.stderr[-2000:]
     assert "Traceback" not in p.stderr, p.stderr[-2000:]
     for needle in needles:
@@ -198,7 +236,7 @@ def test_trainer_settings_this_machine_cannot_run_fail_at_start(
             "--set", f"run.output_dir={tmp_path}"]
     for s in sets:
         args += ["--set", s]
-    p = sluice(*args)
+    p = sluice_forked(tmp_path, *args)
     assert p.returncode == 2, p.stderr
     assert f" {key}: " in p.stderr.replace("\n", " "), p.stderr  # the key, named
     assert "Traceback" not in p.stderr
@@ -215,10 +253,10 @@ def test_a_teacher_with_another_vocabulary_stops_up_and_score_before_any_role(
     other = build_bpe_model(tmp_path / "bpe")
     base = [cmd, str(ROOT / "examples" / "copy.toml"), "--set", f"model.path={tiny_model_dir}",
             "--set", f"run.output_dir={tmp_path / 'run'}"]
-    p = sluice(*base, "--set", f"scoring.teacher={other}")
+    p = sluice_forked(tmp_path, *base, "--set", f"scoring.teacher={other}")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "scoring.teacher: " in p.stderr and "another vocabulary" in p.stderr, p.stderr
-    p = sluice(*base, "--set", f"scoring.teacher={tiny_model_dir}",
+    p = sluice_forked(tmp_path, *base, "--set", f"scoring.teacher={tiny_model_dir}",
                "--set", "scoring.teacher_device=cuda")
     assert p.returncode == 2 and "scoring.teacher_device: " in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "run").exists()
