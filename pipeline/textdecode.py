@@ -28,7 +28,7 @@ full one.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,8 @@ _INERT_KEYS = {"backend", "tokenizer_class", "clean_up_tokenization_spaces",
 """tokenizer_config.json keys that do not change what ``decode`` returns (the special
 tokens are checked against tokenizer.json separately)."""
 
-Decoder = Callable[[Sequence[Sequence[int]]], list[str]]
+Decoder = Callable[[list[list[int]]], list[str]]
+"""Token ids of each sequence (plain lists, as the archiver makes them) -> their texts."""
 
 
 def light_reason(folder: str | Path) -> str | None:
@@ -84,8 +85,8 @@ def light_decoder(folder: str | Path) -> Decoder:
 
     tk = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
 
-    def light(batch: Sequence[Sequence[int]]) -> list[str]:
-        return tk.decode_batch([list(ids) for ids in batch], skip_special_tokens=True)
+    def light(batch: list[list[int]]) -> list[str]:
+        return tk.decode_batch(batch, skip_special_tokens=True)
 
     return light
 
@@ -93,10 +94,9 @@ def light_decoder(folder: str | Path) -> Decoder:
 def full_decoder(tokenizer: Any) -> Decoder:
     """The decoder of a loaded transformers tokenizer (one ``batch_decode`` per batch)."""
 
-    def full(batch: Sequence[Sequence[int]]) -> list[str]:
+    def full(batch: list[list[int]]) -> list[str]:
         if not batch:
             return []
-        return [str(t) for t in tokenizer.batch_decode([list(ids) for ids in batch],
-                                                       skip_special_tokens=True)]
+        return [str(t) for t in tokenizer.batch_decode(batch, skip_special_tokens=True)]
 
     return full
