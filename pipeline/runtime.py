@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -69,15 +70,53 @@ def run_role(main: Callable[[asyncio.Event], Awaitable[Any]], role: str) -> Any:
     global _process_role
     _process_role = role
     setup_logging(role)
+    dump_stacks_on(STACKS_SIGNAL)
 
     async def runner() -> Any:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        return await main(stop)
+        try:
+            return await main(stop)
+        finally:
+            bound_exit()
 
     return event_loop_runner()(runner())
+
+
+STACKS_SIGNAL = signal.SIGUSR1 if hasattr(signal, "SIGUSR1") else None
+"""``kill -USR1 PID`` makes a role write every thread's Python stack to its stderr (its
+log under `sluice up`) and go on: how a role that hangs is diagnosed where it runs.
+`sluice up` sends it to a role that outlives its stop grace period before killing it."""
+
+
+def dump_stacks_on(sig: signal.Signals | None) -> None:
+    """Register `faulthandler`'s all-threads dump for ``sig`` (it runs in C, so it works
+    while the main thread is blocked in a lock, a join or a C call). Not on Windows."""
+    if sig is not None:
+        with contextlib.suppress(ValueError, OSError, RuntimeError):  # no usable stderr
+            faulthandler.register(sig, all_threads=True, chain=False)
+
+
+EXIT_BOUND_S = 120.0
+"""Once a role's work is over (its ``main`` returned or raised; the trainer from its
+final checkpoint on), its process must be gone within this long: closing connections,
+the event loop and the interpreter takes well under a second, a tracker's final upload
+seconds. A process still alive then is hung (a thread that never ends, a lock never
+released); it writes every thread's stack to its stderr and exits with status 1, so a
+finished role never holds a node, a GPU or a job slot forever, and the log says where
+it hung."""
+
+
+def bound_exit(seconds: float | None = None) -> None:
+    """In a role process (`run_role`): from now on, exit within ``seconds`` (default
+    `EXIT_BOUND_S`) or dump the stacks and exit 1 (`faulthandler.dump_traceback_later`,
+    whose timer thread needs neither the GIL-holding main thread nor the event loop).
+    Nothing in tests or tools that run a role's code in their own process."""
+    if _process_role is not None:
+        faulthandler.dump_traceback_later(EXIT_BOUND_S if seconds is None else seconds,
+                                          exit=True)
 
 
 def event_loop_runner() -> Callable[[Awaitable[Any]], Any]:

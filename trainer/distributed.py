@@ -114,8 +114,9 @@ class Ranks:
         # Release the store client now, while the runtime is whole: left to interpreter
         # teardown, its destructor aborted a rank at exit ("terminate called without an
         # active exception") in 2 of 2 full-suite runs under load.
-        _STORES.clear()
-        gc.collect()
+        if _STORES:  # a single process never made one: nothing to collect
+            _STORES.clear()
+            gc.collect()
 
     def data_parallel(self) -> DataParallel | None:
         if not self.distributed:

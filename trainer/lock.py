@@ -80,10 +80,13 @@ class TrainerLock:
                           "than %.0f s?): stopping", got, self.ttl_s)
 
     async def release(self) -> None:
+        """Stop refreshing and drop the lock; bounded (`LEAVE_TIMEOUT_S` per wait) so
+        a trainer that is leaving never waits on Redis or its own refresh forever."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            # `asyncio.wait`, not `wait_for`: on a timeout it neither cancels again nor
+            # waits for the task to acknowledge, so the bound holds whatever the task does
+            await asyncio.wait({self._task}, timeout=LEAVE_TIMEOUT_S)
         with contextlib.suppress(Exception):  # bounded: a crashed trainer must exit
             await asyncio.wait_for(self.bus.release_trainer_lock(self.holder),
                                    LEAVE_TIMEOUT_S)

@@ -58,7 +58,7 @@ from pipeline.bus.schema import ScoredGroup
 from pipeline.config import Config, ConfigError
 from pipeline.devices import resolve_device
 from pipeline.metrics import start as start_metrics
-from pipeline.runtime import Heartbeat, connect, limits, set_threads
+from pipeline.runtime import Heartbeat, bound_exit, connect, limits, set_threads
 from pipeline.tracking import Tracker, check_report_to, open_tracker, trainer_metrics
 from pipeline.weights import check_store, make_transport
 from trainer import setup
@@ -315,6 +315,7 @@ class Trainer:
                 await hb.stop()
                 log.info("trainer stopped at step %d", self.state.step)
         finally:
+            bound_exit()  # what is left is leaving: it must not hold the node forever
             await lock.release()
             await bus.close()
             self.ledger.close()

@@ -45,8 +45,16 @@ from pipeline.ops.restarts import RestartPolicy
 from pipeline.ops.samples import ScorerSamples
 from pipeline.ops.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
 from pipeline.ports import free_port
-from pipeline.runtime import connect, redis_options
+from pipeline.runtime import STACKS_SIGNAL, connect, redis_options
 from workers.engines.vllm_server import LocalServer, ServerSpec, launch
+
+STACKS_WAIT_S = 2.0  # for a role to write its stacks before it is killed
+EXIT_AFTER_FINISH_S = 60.0
+"""How long the supervisor waits for the trainer to exit once it has announced the end
+of the run (after its final checkpoint: only closing connections, the ledger and the
+trackers is left). A trainer still running then is stopped like any straggler (SIGTERM,
+its stacks, SIGKILL) and reported as failed: a hang at exit is a bug to see in seconds,
+not a run that sits at its last step until ``max_time_s``."""
 
 
 @dataclass
@@ -189,6 +197,9 @@ class Supervisor:
             client.close()
 
     def terminate(self, grace_s: float = 20.0) -> None:
+        """SIGTERM every running child; one still running ``grace_s`` later is asked for
+        its threads' stacks (`pipeline.runtime.STACKS_SIGNAL`, into its log, where the
+        failure report's tail shows them) and then killed."""
         for ch in self.children:
             if ch.proc.poll() is None:
                 stop_gracefully(ch.proc)
@@ -197,6 +208,11 @@ class Supervisor:
             try:
                 ch.proc.wait(max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
+                print(f"{ch.name} did not stop within {grace_s:g} s of SIGTERM; its "
+                      f"threads' stacks go to {ch.log}; killing it", file=sys.stderr)
+                signal_role(ch.proc, STACKS_SIGNAL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    ch.proc.wait(STACKS_WAIT_S)  # the dump itself never exits the role
                 ch.proc.kill()
                 ch.proc.wait()
 
@@ -219,11 +235,18 @@ def stop_gracefully(proc: subprocess.Popen[bytes]) -> None:
     on its ranks, not on torchrun: rank 0 then stops every rank, writes the final
     checkpoint, and torchrun exits 0 with them (torchrun itself answers SIGTERM by
     exiting with an error although its ranks stopped cleanly)."""
+    signal_role(proc, signal.SIGTERM)
+
+
+def signal_role(proc: subprocess.Popen[bytes], sig: signal.Signals | None) -> None:
+    """Send ``sig`` to a role's process, or to each rank of a torchrun job."""
+    if sig is None:
+        return
     is_job = "torch.distributed.run" in " ".join(map(str, proc.args))  # type: ignore[arg-type]
     ranks = child_pids(proc.pid) if is_job else []
     for pid in ranks or [proc.pid]:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, sig)
 
 
 def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
@@ -250,6 +273,17 @@ def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+async def finished_announced(bus: Any) -> bool:
+    """Whether the control stream carries the trainer's `RunFinished` (False when Redis
+    does not answer: the next poll asks again)."""
+    from pipeline.bus import control
+
+    try:
+        return await control.finished(bus) is not None
+    except Exception:
+        return False
+
+
 def fmt(x: Any, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -272,6 +306,7 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
     policy = RestartPolicy(max_restarts=u.max_restarts, window_s=u.restart_window_s)
     target = parse_target(cfg.up.stop_at)
     shown = target.metric if target else "pass@1"  # the eval metric on the progress line
+    finished_at: float | None = None  # when the trainer's RunFinished was first seen
     with progress:
         while True:
             if stop.is_set():
@@ -288,12 +323,18 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
                 break
             if sup.children[0].proc.poll() == 0:  # the trainer finished the run
                 break
+            if finished_at is not None and time.time() - finished_at > EXIT_AFTER_FINISH_S:
+                print(f"sluice: the trainer announced the end of the run but has not exited "
+                      f"{EXIT_AFTER_FINISH_S:g} s later; stopping it", file=sys.stderr)
+                break
             try:
                 snap = await snapshot(bus)
             except Exception:
                 await asyncio.sleep(0.5)
                 continue
             sup.samples.record(snap)
+            if finished_at is None and await finished_announced(bus):
+                finished_at = time.time()
             s = status_line(sup, snap)
             if target is not None and target.met(s["eval"]):
                 reason = f"stop_at {target} reached"
