@@ -91,6 +91,19 @@ log under `sluice up`) and go on: how a role that hangs is diagnosed where it ru
 `sluice up` sends it to a role that outlives its stop grace period before killing it."""
 
 
+def log_tail(text: str, lines: int = 30, most: int = 300) -> str:
+    """The last ``lines`` lines of a role's log, reaching back (up to ``most`` lines) to
+    the start of a stack dump when the tail is inside one (`STACKS_SIGNAL`, `bound_exit`),
+    so a report of a hung role shows where every thread was."""
+    rows = text.splitlines()
+    start = len(rows) - lines
+    for i in range(max(0, len(rows) - most), len(rows)):
+        if rows[i].endswith("(most recent call first):"):
+            start = min(start, i)
+            break
+    return "\n".join(rows[max(0, start):])
+
+
 def dump_stacks_on(sig: signal.Signals | None) -> None:
     """Register `faulthandler`'s all-threads dump for ``sig`` (it runs in C, so it works
     while the main thread is blocked in a lock, a join or a C call). Not on Windows."""

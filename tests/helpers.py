@@ -178,7 +178,13 @@ def run_up(args: list[str], out: Path, cwd: Path, timeout_s: float,
 
 def role_logs(out: Path) -> str:
     """The tail of every role's log in a run directory (for assertion messages)."""
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}"
+    from pipeline.runtime import log_tail
+
+    def tail(text: str) -> str:  # 1,500 characters, or a whole stack dump at the end
+        dumped = log_tail(text, 1)
+        return dumped if "(most recent call first):" in dumped else text[-1500:]
+
+    return "\n".join(f"--- {p.name}\n{tail(p.read_text())}"
                      for p in sorted((out / "logs").glob("*.log")))
 
 

@@ -45,7 +45,7 @@ from pipeline.ops.restarts import RestartPolicy
 from pipeline.ops.samples import ScorerSamples
 from pipeline.ops.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
 from pipeline.ports import free_port
-from pipeline.runtime import STACKS_SIGNAL, connect, redis_options
+from pipeline.runtime import STACKS_SIGNAL, connect, log_tail, redis_options
 from workers.engines.vllm_server import LocalServer, ServerSpec, launch
 
 STACKS_WAIT_S = 2.0  # for a role to write its stacks before it is killed
@@ -70,7 +70,7 @@ class Child:
 
     def tail(self, n: int = 30) -> str:
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+            return log_tail(self.log.read_text(errors="replace"), n)
         except OSError:
             return ""
 

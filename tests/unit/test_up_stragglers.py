@@ -45,6 +45,10 @@ def test_a_role_that_ignores_sigterm_leaves_its_stacks_in_its_log_and_is_killed(
         # faulthandler's dump: both threads, the helper inside its wait, the main in join
         assert "most recent call first" in text, text
         assert "wait_forever_in_a_helper" in text and "in join" in text, text
+        # the failure report's tail reaches back to the start of the dump
+        tail = sup.children[0].tail(3)
+        assert tail.splitlines()[0].endswith("(most recent call first):"), tail
+        assert "wait_forever_in_a_helper" in tail and "in join" in tail, tail
     finally:
         if proc.poll() is None:
             proc.kill()
