@@ -274,12 +274,12 @@ def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
 
 
 async def finished_announced(bus: Any) -> bool:
-    """Whether the control stream carries the trainer's `RunFinished` (False when Redis
-    does not answer: the next poll asks again)."""
+    """Whether the control stream's newest entries carry the trainer's `RunFinished` (it
+    is the trainer's last word; False when Redis does not answer: the next poll asks)."""
     from pipeline.bus import control
 
     try:
-        return await control.finished(bus) is not None
+        return await control.finished(bus, scan=20) is not None
     except Exception:
         return False
 

@@ -63,3 +63,26 @@ def test_watch_yields_announcements_in_order_and_skips_corrupt(
     assert [type(m).__name__ for m in seen] == ["WeightsPublished", "WeightsPublished",
                                                "RunFinished"]
     assert [m.version for m in seen[:2]] == [1, 2]  # type: ignore[attr-defined]
+
+
+def test_sluice_up_sees_the_end_of_the_run_among_the_newest_control_entries(
+        redis_server: EmbeddedRedis, run_name: str) -> None:
+    """`pipeline.ops.up.finished_announced`: False on announcements alone (and on a
+    malformed entry), True once the trainer's RunFinished follows them."""
+    from pipeline.ops.up import finished_announced
+
+    async def go() -> list[bool]:
+        bus = Bus.connect(redis_server.url, run_name)
+        try:
+            seen = [await finished_announced(bus)]
+            for v in range(30):  # more announcements than the poll scans
+                await control.announce(bus, _w(v))
+            await bus.r.xadd(bus.keys.control, {b"m": b"not msgpack \xc1"})
+            seen.append(await finished_announced(bus))
+            await control.finish(bus, "max_steps")
+            seen.append(await finished_announced(bus))
+        finally:
+            await bus.close()
+        return seen
+
+    assert arun(go()) == [False, False, True]
