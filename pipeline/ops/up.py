@@ -17,8 +17,10 @@ survives the crash: leases, reclaim, the trainer's checkpoint); one that crashes
 Shutdown: the trainer ends the run at ``max_steps`` with a `RunFinished` announcement,
 on which every other role exits by itself. On Ctrl-C, ``max_time_s``, or a role given up
 on, every child gets SIGTERM (by PID), finishes or releases its work and exits;
-stragglers get SIGKILL after a grace period. A failed role is reported with the tail of
-its log, never hidden behind a pipeline that looks healthy.
+stragglers are asked for their threads' stacks (SIGUSR1, into their logs) and get SIGKILL
+after a grace period; a trainer still running `EXIT_AFTER_FINISH_S` after it announced
+the end is such a straggler. A failed role is reported with the tail of its log (a whole
+stack dump when there is one), never hidden behind a pipeline that looks healthy.
 """
 
 from __future__ import annotations
