@@ -91,6 +91,10 @@ log under `sluice up`) and go on: how a role that hangs is diagnosed where it ru
 `sluice up` sends it to a role that outlives its stop grace period before killing it."""
 
 
+STACK_DUMP_MARK = "(most recent call first):"
+"""How every thread's section of a `faulthandler` dump begins (its first line ends so)."""
+
+
 def log_tail(text: str, lines: int = 30, most: int = 300) -> str:
     """The last ``lines`` lines of a role's log, reaching back (up to ``most`` lines) to
     the start of a stack dump when the tail is inside one (`STACKS_SIGNAL`, `bound_exit`),
@@ -98,7 +102,7 @@ def log_tail(text: str, lines: int = 30, most: int = 300) -> str:
     rows = text.splitlines()
     start = len(rows) - lines
     for i in range(max(0, len(rows) - most), len(rows)):
-        if rows[i].endswith("(most recent call first):"):
+        if rows[i].endswith(STACK_DUMP_MARK):
             start = min(start, i)
             break
     return "\n".join(rows[max(0, start):])

@@ -178,11 +178,11 @@ def run_up(args: list[str], out: Path, cwd: Path, timeout_s: float,
 
 def role_logs(out: Path) -> str:
     """The tail of every role's log in a run directory (for assertion messages)."""
-    from pipeline.runtime import log_tail
+    from pipeline.runtime import STACK_DUMP_MARK, log_tail
 
     def tail(text: str) -> str:  # 1,500 characters, or a whole stack dump at the end
         dumped = log_tail(text, 1)
-        return dumped if "(most recent call first):" in dumped else text[-1500:]
+        return dumped if STACK_DUMP_MARK in dumped else text[-1500:]
 
     return "\n".join(f"--- {p.name}\n{tail(p.read_text())}"
                      for p in sorted((out / "logs").glob("*.log")))

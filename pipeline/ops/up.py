@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.bus import control
 from pipeline.bus.security import COMMAND_ROLES, env_for_role
 from pipeline.config import Config, ConfigError
 from pipeline.evaluation import parse_target
@@ -278,8 +279,6 @@ def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
 async def finished_announced(bus: Any) -> bool:
     """Whether the control stream's newest entries carry the trainer's `RunFinished` (it
     is the trainer's last word; False when Redis does not answer: the next poll asks)."""
-    from pipeline.bus import control
-
     try:
         return await control.finished(bus, scan=20) is not None
     except Exception:
