@@ -2,7 +2,8 @@
 
 Every entry read ends in exactly one place, each through one idempotent script with an
 intent line in the ledger first (`pipeline.bus.ledger`):
-- undecodable → ``dlq`` (retired ``dead`` when it names a group);
+- undecodable → ``dlq``, counted ``undecodable`` (never retired: the group id it may
+  name is not believed, `pipeline.bus.inbound`);
 - delivered more than ``bus.max_deliveries`` times → ``dlq``: the trainer kept failing
   before it could ack it (a step that raised, then a restart or a re-read), so it must
   not crash-loop the trainer;
@@ -29,7 +30,7 @@ from pipeline.bus.client import Bus, Entry
 from pipeline.bus.codec import peek_group_id
 from pipeline.bus.inbound import triage
 from pipeline.bus.keys import TRAINERS_GROUP
-from pipeline.bus.ledger import Ledger
+from pipeline.bus.ledger import Ledger, dead_event
 from pipeline.bus.schema import Limits, ScoredGroup
 from pipeline.config import Config
 from pipeline.metrics import RoleMetrics
@@ -123,8 +124,8 @@ class Reader:
         here (dead-letter, stale, duplicate, deleted), retrying through Redis outages."""
         sg = await triage(bus, e, TRAINERS_GROUP, stream=bus.keys.scored, expect=ScoredGroup,
                           limits=self.limits, max_deliveries=self.cfg.bus.max_deliveries,
-                          dead_letter=lambda e, reason: self.dead_letter(
-                              bus, e, peek_group_id(e.fields), reason),
+                          dead_letter=lambda e, reason, gid: self.dead_letter(
+                              bus, e, gid, reason),
                           too_many="trainer: delivered {n} times without a completed step "
                                    "(its step raised; see the trainer log)")
         if sg is None:
@@ -149,11 +150,15 @@ class Reader:
         return sg
 
     async def dead_letter(self, bus: Bus, e: Entry, gid: str | None, reason: str) -> None:
-        log.warning("dead-lettering %s (group %s): %s", e.id, gid, reason)
+        """Dead-letter ``e``: ``gid`` is the group it decoded to (retired ``dead``), or
+        None for an entry that did not decode (counted ``undecodable``; the group id it
+        may name is not believed, `pipeline.bus.inbound`)."""
+        claimed = None if gid is not None else peek_group_id(e.fields)
+        log.warning("dead-lettering %s (group %s): %s", e.id,
+                    gid or f"none; claims {claimed}", reason)
         op = f"dead:{self.consumer}:{e.id}:{e.deliveries}"
         if await self.ledger.settle(
-                op, [{"ev": "dead", "gid": gid, "retired": gid is not None, "id": e.id,
-                      "reason": reason[:200]}],
+                op, [dead_event(gid, e.id, reason, claimed)],
                 lambda: bus.retrying(lambda: bus.dead_letter(
                     e.stream or bus.keys.scored, TRAINERS_GROUP, e, reason=reason,
                     role=self.wid, retire=gid is not None, op=op), "dead-letter")):

@@ -162,8 +162,10 @@ class Archiver:
                 sg = decode_entry(e.fields, self.limits, expect=ScoredGroup)
             except DecodeError as err:
                 self.counts["skipped"] += 1
-                self.ledger.write("archive_skipped", peek_group_id(e.fields), id=e.id,
-                                  reason=str(err)[:200])
+                # no gid: the one it may name is not believed (`pipeline.bus.inbound`);
+                # a forged one would excuse a real group missing from the archive
+                self.ledger.write("archive_skipped", None, claimed=peek_group_id(e.fields),
+                                  id=e.id, reason=str(err)[:200])
                 log.warning("not archiving %s (undecodable): %s", e.id, err)
                 done.append(e)
                 continue

@@ -12,7 +12,8 @@
    reward part alone and the audit checks that part (`workers.scorer`);
 4. the gate's counters in Redis equal the ledger's counts (``cursor`` = admitted,
    ``retired`` and ``retired:<reason>`` = retirements, ``generating`` = admitted and not
-   yet appended or abandoned);
+   yet appended or abandoned, ``undecodable`` = entries dead-lettered that did not
+   decode: never retirements, whatever group id they named);
 5. (with a live view of Redis, `live_view`) every admitted group not yet retired is
    somewhere: leased to a generator, or an unacknowledged entry of ``rollouts`` or
    ``scored``; and no group is in flight twice, or in flight after it retired. This is
@@ -63,6 +64,7 @@ class AuditReport:
     from_redis: int = 0  # events of killed processes recovered from stored op results
     archived: int = 0  # groups the archiver wrote (rule 6)
     archive_skipped: int = 0  # undecodable `scored` entries the archiver acked unwritten
+    undecodable: int = 0  # entries dead-lettered that did not decode (not retirements)
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -72,7 +74,10 @@ class AuditReport:
     def summary(self) -> str:
         head = (f"{self.events} events, {self.admitted} groups admitted, "
                 f"{sum(self.retired.values())} retired ({dict(self.retired)}), "
-                f"{self.in_flight} in flight, {self.taken_over} taken over after a "
+                f"{self.in_flight} in flight, "
+                + (f"{self.undecodable} undecodable entries dead-lettered, "
+                   if self.undecodable else "")
+                + f"{self.taken_over} taken over after a "
                 f"generator died, {self.trained} trained, {self.from_redis} events recovered "
                 "from Redis"
                 + (f", {self.archived} archived" if self.archived else "")
@@ -202,13 +207,14 @@ def audit(run_dir: Path | str, state: dict[str, int] | None = None, *,
     for r in rows:
         by_ev[r["ev"]].append(r)
 
+    rep.undecodable = sum(1 for r in by_ev["dead"] if r.get("undecodable"))
     groups = _check_retired_once(by_ev, live, drained, rep)
     _check_nothing_twice(by_ev, rep)
     _check_complete_groups(by_ev, num_generations, rep)
     if state is not None:
         _check_gate_counters(by_ev, groups, state, rep)
     if live is not None:
-        _check_in_flight(groups, live, rep)
+        _check_in_flight(groups, live, rep, _claimed(by_ev))
     _check_archived(by_ev, live if archive else None, rep)
     if by_ev["torn"]:
         rep.violations.append(
@@ -295,6 +301,7 @@ def _check_gate_counters(by_ev: _Events, groups: _Groups, state: dict[str, int],
     generating = len(set(groups.admitted) - appended - abandoned)
     expect = {"cursor": rep.admitted, "retired": sum(rep.retired.values()),
               "generating": generating + len(groups.unlogged),
+              "undecodable": rep.undecodable,
               **{f"retired:{k}": rep.retired[k] for k in RETIRE_REASONS}}
     for k, v in expect.items():
         if state.get(k, 0) != v:
@@ -302,16 +309,27 @@ def _check_gate_counters(by_ev: _Events, groups: _Groups, state: dict[str, int],
                 f"Redis state {k} = {state.get(k, 0)} but the ledger counts {v}")
 
 
-def _check_in_flight(groups: _Groups, live: LiveView, rep: AuditReport) -> None:
+def _claimed(by_ev: _Events) -> dict[str, str]:
+    """Group id -> the id of an undecodable dead-lettered entry that claimed it."""
+    return {r["claimed"]: str(r.get("id")) for r in by_ev["dead"]
+            if r.get("undecodable") and isinstance(r.get("claimed"), str)}
+
+
+def _check_in_flight(groups: _Groups, live: LiveView, rep: AuditReport,
+                     claimed: dict[str, str]) -> None:
     """Rule 5: every admitted group not yet retired is somewhere in ``live``: leased to a
     generator, or an unacknowledged entry of ``rollouts`` or ``scored``; and no group is in
-    flight twice, after it retired, or without ever being admitted."""
+    flight twice, after it retired, or without ever being admitted. A lost group that an
+    undecodable entry claimed (``claimed``) is named with it: its producer wrote what its
+    consumer rejects, and the group holds a slot of the window for good."""
     bad = rep.violations.append
     admitted, retirements = groups.admitted, groups.retirements
     for gid in groups.lost:
         if not live.entries.get(gid, []) and admitted[gid] not in live.leased:
+            why = (f" (an undecodable entry {claimed[gid]} claiming it was dead-lettered: "
+                   "its writer appended what its reader rejects)" if gid in claimed else "")
             bad(f"group {gid} (cursor {admitted[gid]}) admitted, never retired, and "
-                "neither leased nor in a stream: lost")
+                f"neither leased nor in a stream: lost{why}")
     for gid, where in live.entries.items():
         if gid == "?":
             continue

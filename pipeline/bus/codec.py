@@ -401,8 +401,10 @@ def decode_entry(fields: dict[bytes, bytes], limits: Limits | None = None,
 
 
 def peek_group_id(fields: dict[bytes, bytes] | None) -> str | None:
-    """The group id of a possibly invalid entry, if one can be read. Only an entry with a
-    group id was an admitted group, which must be retired when it is dead-lettered."""
+    """The group id a possibly invalid entry claims, if one can be read. A claim only:
+    for an entry that does not decode it is whatever its writer put there, so it names
+    the entry in logs and the ledger (``claimed``) and is never a reason to retire a
+    group (`pipeline.bus.inbound`)."""
     try:
         m = msgpack.unpackb((fields or {}).get(FIELD, b""), raw=False)
     except Exception:

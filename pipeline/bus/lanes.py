@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 from pipeline.bus.keys import Keys
 
-COUNTERS = ("cursor", "retired", "generating")
-"""State fields that are per lane and add up over lanes (with ``retired:<reason>``)."""
+COUNTERS = ("cursor", "retired", "generating", "undecodable")
+"""State fields that are per lane and add up over lanes (with ``retired:<reason>``);
+``undecodable`` counts dead-lettered entries that did not decode, apart from the books."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,10 @@ Events (``ev``), each with ``gid`` (group id), ``role``, ``consumer``, ``t`` (un
   ``recovered`` when written after a restart for a file its killed predecessor wrote),
   ``archive_skipped`` (``id``, ``reason``: undecodable, acked and not archived).
 Retiring events are ``filtered``, ``stale``, ``trained`` and ``dead`` (when ``retired``).
+A ``dead`` event of an entry that did not decode (`dead_event`) has no ``gid``:
+``undecodable`` is true and ``claimed`` holds the group id it named, if any, which is not
+believed (the audit counts these against ``state.undecodable``, never as retirements);
+the archiver's ``archive_skipped`` likewise.
 """
 
 from __future__ import annotations
@@ -42,6 +46,18 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 RETIRING = ("filtered", "stale", "trained", "dead")
+
+
+def dead_event(gid: str | None, entry_id: str, reason: str, claimed: str | None = None
+               ) -> dict[str, Any]:
+    """The planned ``dead`` event of a dead-lettered stream entry: ``gid`` is the group it
+    decoded to (retired ``dead``), or None when it did not decode (``undecodable``, with
+    ``claimed``: the group id it named, if any, not believed)."""
+    if gid is not None:
+        return {"ev": "dead", "gid": gid, "retired": True, "id": entry_id,
+                "reason": reason[:200]}
+    return {"ev": "dead", "gid": None, "retired": False, "undecodable": True,
+            "claimed": claimed, "id": entry_id, "reason": reason[:200]}
 
 
 class Ledger:

@@ -32,8 +32,10 @@ class _Tokens:
     candidate_counts: np.ndarray | None
 
     @property
-    def min_version(self) -> int:
-        return int(self.versions.min()) if len(self.versions) else 0
+    def min_version(self) -> int | None:
+        """The oldest version that sampled a token of this completion; None for one with
+        no tokens (sampled by no version: it must not date its group, `group_min_version`)."""
+        return int(self.versions.min()) if len(self.versions) else None
 
     def candidate_sets(self) -> list[np.ndarray] | None:
         """Token ``t``'s candidate ids as ``sets[t]`` (empty = unknown); None if none."""
@@ -93,6 +95,14 @@ class TrainRollout(_Tokens):
     candidate_counts: np.ndarray | None = None  # int32 [T]
 
 
+def group_min_version(rollouts: list[Rollout] | list[TrainRollout]) -> int:
+    """A group's age for the staleness test: the oldest version of any token of its
+    completions. A completion with no tokens has no say (it was sampled by no version;
+    counting it as version 0 made every group holding one retire ``stale``), and a group
+    with no token at all is dated 0: nothing to train and nothing to date it by."""
+    return min((v for r in rollouts if (v := r.min_version) is not None), default=0)
+
+
 def split_candidates(candidate_ids: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
     """The flat wire form of candidate sets -> one array per token (``len(counts)``)."""
     return np.split(candidate_ids, np.cumsum(counts)[:-1]) if len(counts) else []
@@ -114,7 +124,7 @@ class RolloutGroup:
 
     @property
     def min_version(self) -> int:
-        return min(r.min_version for r in self.rollouts)
+        return group_min_version(self.rollouts)
 
     def for_training(self) -> TrainGroup:
         """The part of this group a `scored` entry carries (shares the arrays)."""
@@ -135,7 +145,7 @@ class TrainGroup:
 
     @property
     def min_version(self) -> int:
-        return min(r.min_version for r in self.rollouts)
+        return group_min_version(self.rollouts)
 
 
 @dataclass

@@ -138,6 +138,9 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
         "conservation": {
             "cursor": cursor, "retired": retired, "in_flight": in_flight,
             "generating": generating,
+            # dead-lettered entries that did not decode: apart from the books, never
+            # retirements (the group id they may claim is not believed)
+            "undecodable": state.get("undecodable", 0),
             "by_reason": {r: state.get(f"retired:{r}", 0) for r in RETIRE_REASONS},
             "balanced": in_flight is not None and cursor == retired + in_flight
             and retired == sum(state.get(f"retired:{r}", 0) for r in RETIRE_REASONS),
@@ -160,7 +163,7 @@ def render_status(snap: dict[str, Any], window: int | None = None) -> Any:
         gate = f"gate {'open' if open_ else 'CLOSED'} ({c['cursor'] - c['retired']}/{window})"
     head.add_row(f"version [bold]{st.get('version', '-')}[/]", gate)
     eq = (f"cursor {c['cursor']} == retired {c['retired']} + in_flight {c['in_flight']} "
-          f"(generating {c['generating']})  ->  "
+          f"(generating {c['generating']}; undecodable {c.get('undecodable', 0)} apart)  ->  "
           + ("[green]balanced[/]" if c["balanced"] else "[red]NOT balanced[/]"))
     head.add_row(eq, "retired: " + ", ".join(f"{r} {n}" for r, n in c["by_reason"].items()))
 

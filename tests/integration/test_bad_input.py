@@ -2,8 +2,10 @@
 
 docs/design.md §6 and docs/wire-format.md: decoding validates types, lengths and ranges;
 whatever fails goes to ``dlq`` with the reason and is acknowledged, so it can neither
-block a consumer nor come back; when it was an admitted group (its ``gid`` can be read)
-it retires ``dead``, so ``cursor == retired + in_flight`` still holds. Each case below
+block a consumer nor come back. A group id it may name is not believed (it did not
+decode: a forged one would make ``retired`` drift): it is counted ``undecodable``, apart
+from the books, and retires nothing, so ``cursor == retired + in_flight`` still holds
+(tests/integration/test_hostile_input.py sends them all at once). Each case below
 puts one bad entry between two good ones and checks all of that through a real redis-
 server, for the scorer (entries on ``rollouts``) and the trainer (entries on
 ``scored``): the good entry after the bad one is still handed on, which is what "the
@@ -91,8 +93,8 @@ def _poison(path: tuple[Any, ...], index: int, bad: float | int, dtype: str
 class Bad:
     """One kind of bad entry: how to make its fields, and the dlq reason it must get.
 
-    ``admitted``: the entry carries a readable group id, so it was (or claims to be) an
-    admitted group and must retire ``dead``; entries without one were never admitted.
+    ``admitted``: the entry carries a readable group id, a claim to be an admitted group;
+    not believed (the entry does not decode), so it never moves the books either way.
     """
 
     make: Callable[[str, str], dict[bytes, bytes]]  # (stream, gid) -> entry fields
@@ -241,12 +243,12 @@ def _check_dead_letter(dlq: list[dict[bytes, bytes]], bad: Bad, bad_id: str, src
 
 
 def _expected_state(bad: Bad, **retired: int) -> dict[str, int]:
-    """The ``retired*`` counters of ``state`` after the good entries retired as
-    ``retired`` says and the bad one retired ``dead`` if it was an admitted group."""
-    counts = {**retired, "dead": int(bad.admitted)}
-    total = sum(counts.values())
+    """The ``retired*`` and ``undecodable`` counters of ``state`` after the good entries
+    retired as ``retired`` says and the bad one was dead-lettered: counted
+    ``undecodable``, never retired, whatever group id it claims."""
+    total = sum(retired.values())
     return {**({"retired": total} if total else {}),
-            **{f"retired:{k}": v for k, v in counts.items() if v}}
+            **{f"retired:{k}": v for k, v in retired.items() if v}, "undecodable": 1}
 
 
 # ---------------------------------------------------------------- scorer (rollouts)
@@ -267,7 +269,7 @@ def test_scorer_dead_letters_bad_rollout_acks_retires_and_keeps_going(
             await bus.ensure_group(k.scored, TRAINERS_GROUP)  # hand-offs count as in flight
             fields = bad.make("rollouts", "0:5")
             await _put(bus, k.rollouts, {FIELD: encode(make_group("0:1"))}, True)
-            bad_id = await _put(bus, k.rollouts, fields, bad.admitted)
+            bad_id = await _put(bus, k.rollouts, fields, False)  # a claim, not admitted
             await _put(bus, k.rollouts, {FIELD: encode(make_group("0:2"))}, True)
             scorer = Scorer(cfg, "s1")
             while entries := await bus.read_group(k.rollouts, SCORERS_GROUP, scorer.consumer,
@@ -279,7 +281,8 @@ def test_scorer_dead_letters_bad_rollout_acks_retires_and_keeps_going(
             assert [g.group.group_id for g in handed] == ["0:1", "0:2"]  # type: ignore[union-attr]
             assert scorer.counts["dead"] == 1 and scorer.counts["scored"] == 2
             state = await bus.state()
-            assert {s: v for s, v in state.items() if s.startswith("retired")} == \
+            assert {s: v for s, v in state.items()
+                    if s.startswith("retired") or s == "undecodable"} == \
                 _expected_state(bad)
             assert (await snapshot(bus))["conservation"]["balanced"]
         finally:
@@ -403,7 +406,7 @@ def test_trainer_dead_letters_bad_scored_entry_acks_retires_and_keeps_going(
             await bus.ensure_group(k.scored, TRAINERS_GROUP)
             fields = bad.make("scored", "0:5")
             first = await _put(bus, k.scored, {FIELD: encode(_scored("0:1"))}, True)
-            bad_id = await _put(bus, k.scored, fields, bad.admitted)
+            bad_id = await _put(bus, k.scored, fields, False)  # a claim, not admitted
             good = [first, await _put(bus, k.scored, {FIELD: encode(_scored("0:2"))}, True)]
             buf = await asyncio.wait_for(tr.collect(bus, asyncio.Event()), 10)
             assert [(i, sg.group.group_id) for i, sg in buf] == list(zip(good, ["0:1", "0:2"],
@@ -417,7 +420,8 @@ def test_trainer_dead_letters_bad_scored_entry_acks_retires_and_keeps_going(
                              op=f"trained:{run_name}")
             assert await _pending_ids(bus, k.scored, TRAINERS_GROUP) == []
             state = await bus.state()
-            assert {s: v for s, v in state.items() if s.startswith("retired")} == \
+            assert {s: v for s, v in state.items()
+                    if s.startswith("retired") or s == "undecodable"} == \
                 _expected_state(bad, trained=2)
             assert (await snapshot(bus))["conservation"]["balanced"]
         finally:

@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.bus.client import Bus
-from pipeline.bus.codec import FIELD, DecodeError, decode_entry, encode, peek_group_id
+from pipeline.bus.codec import FIELD, DecodeError, decode_entry, encode
 from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.schema import SCHEMA_VERSION, Rollout, RolloutGroup, ScoredGroup
 from pipeline.config import Config, load_config
@@ -291,9 +291,10 @@ async def _settled(bus: Bus, stream: str, group: str, sent: list[str]
 
 
 def _admitted_dead(dlq: list[dict[bytes, bytes]]) -> int:
-    """Dead-lettered entries with a readable group id: those retire ``dead``."""
-    return sum(peek_group_id({k[5:]: v for k, v in f.items() if k.startswith(b"orig:")})
-               is not None for f in dlq)
+    """Dead-lettered entries that decoded (a reward that raised): those retire ``dead``.
+    The others did not decode: counted ``undecodable``, never retired, whatever group id
+    they claim (`pipeline.bus.inbound`)."""
+    return sum(not f[b"reason"].startswith(b"decode: ") for f in dlq)
 
 
 TOTALS: dict[str, int] = {"scorer": 0, "trainer": 0}
@@ -342,6 +343,7 @@ def test_scorer_accounts_for_every_fuzzed_rollouts_entry(
                 assert c["dead"] == len(dlq) and c["scored"] == len(handed)
                 assert state.get("retired:filtered", 0) == c["filtered"]
                 assert state.get("retired:dead", 0) == _admitted_dead(dlq)
+                assert state.get("undecodable", 0) == len(dlq) - _admitted_dead(dlq)
                 assert state.get("retired", 0) == c["filtered"] + _admitted_dead(dlq)
                 for f in handed:  # what the scorer emits, the trainer accepts
                     assert isinstance(decode_entry(f, limits, expect=ScoredGroup),
@@ -419,6 +421,7 @@ def test_trainer_accounts_for_every_fuzzed_scored_entry(
                 assert state.get("retired:trained", 0) == trained
                 assert state.get("retired:stale", 0) == c["stale"]
                 assert state.get("retired:dead", 0) == _admitted_dead(dlq)
+                assert state.get("undecodable", 0) == len(dlq) - _admitted_dead(dlq)
                 assert state.get("retired", 0) == trained + c["stale"] + _admitted_dead(dlq)
                 TOTALS["trainer"] += len(sent)
                 _tally("trainer", dead=c["dead"], accepted=trained, stale=c["stale"],
