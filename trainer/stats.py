@@ -34,3 +34,23 @@ def rollout_stats(groups: list[ScoredGroup]) -> dict[str, float]:
             "completions/max_length": float(lengths.max()),
             "completions/clipped_ratio": float(np.mean(clipped)),
             "frac_reward_zero_std": float(np.mean(flat))}
+
+
+def reward_part_means(groups: list[ScoredGroup]) -> dict[str, float]:
+    """``reward/<part>``: each reward part's mean over the step's completions that have
+    it. The parts are the union over the step's groups (in first-seen order), because
+    groups scored under different ``scoring.rewards`` (a config change, scorers of two
+    versions) carry different keys: a part a group lacks is absent from that group's
+    share, not a crash after the step was published. NaN (a function's None) is left out
+    of a mean, and a part with no value in the whole step is left out of the result."""
+    values: dict[str, list[np.ndarray]] = {}
+    for g in groups:
+        for k, v in g.reward_parts.items():
+            values.setdefault(k, []).append(np.asarray(v, dtype=np.float64).ravel())
+    out: dict[str, float] = {}
+    for k, vs in values.items():
+        x = np.concatenate(vs)
+        x = x[np.isfinite(x)]
+        if len(x):
+            out[f"reward/{k}"] = float(x.mean())
+    return out

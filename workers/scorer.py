@@ -5,15 +5,18 @@ A consumer in group ``scorers`` on ``rollouts``. Per entry, exactly one of:
 - retire ``filtered`` when all rewards of the group are equal (no gradient), unless
   ``scoring.zero_variance = "train"`` (then it is handed off at advantage 0, as TRL trains it);
   with a teacher, only when every token's advantage is 0 as well (in practice never);
-- dead-letter (retired ``dead``): undecodable entry, or reward functions (or the teacher)
-  failing on ``max_deliveries`` deliveries;
+- dead-letter: an undecodable entry (counted ``undecodable``, retires nothing); retired
+  ``dead``: reward functions (or the teacher) failing on ``max_deliveries`` deliveries,
+  or a scored group its reader would reject (checked by decoding the hand-off's bytes
+  with the trainer's limits: e.g. a reward finite in float64 but not in float32);
 - leave pending: a reward function or the teacher failed and deliveries remain (read
   again later).
 Entries of crashed scorers are reclaimed with XAUTOCLAIM after ``claim_idle_ms``.
 
-Rewards are computed for a whole read at once (`workers.tasks.rewards.reward_matrix`: one call
+Rewards are computed for a whole read at once (`workers.scoring.rewards_of`: one call
 per function over every completion of every decoded group, so a reward model sees a
-batch; the functions run concurrently, async ones awaited, sync ones each in a thread).
+batch; the functions run concurrently in the scorer's reward process, which is killed
+and replaced when a call outlives ``reward_timeout_s``: `workers.reward_runner`).
 If that call fails, each group is retried alone (concurrently), so a failure is charged
 only to the groups that fail on their own: they count in ``reward_errors`` and follow
 the rule above; the others are scored. The read's hand-offs then go to Redis in one
@@ -57,10 +60,10 @@ import numpy as np
 
 from pipeline.bus import control
 from pipeline.bus.client import Bus, Entry, worker_id
-from pipeline.bus.codec import encode, peek_group_id
+from pipeline.bus.codec import DecodeError, decode, encode, peek_group_id
 from pipeline.bus.inbound import triage
 from pipeline.bus.keys import ARCHIVERS_GROUP, SCORERS_GROUP, TRAINERS_GROUP
-from pipeline.bus.ledger import Ledger
+from pipeline.bus.ledger import Ledger, dead_event
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup
 from pipeline.config import Config
 from pipeline.metrics import start as start_metrics
@@ -72,6 +75,7 @@ from pipeline.rl.advantages import (
 from pipeline.rl.distillation import mean_over_mask, reverse_kl, token_advantages
 from pipeline.runtime import LEAVE_TIMEOUT_S, Heartbeat, connect, join, limits
 from workers.hooks import load_hook
+from workers.reward_runner import RewardRunner
 from workers.scoring import hook_advantages, rewards_of, teacher_of
 from workers.tasks.catalog import Task
 from workers.tasks.rewards import (
@@ -117,6 +121,7 @@ class Scorer:
         self.metrics = start_metrics(cfg.metrics, "scorer", self.wid,
                                      groups=[("rollouts", SCORERS_GROUP)], lengths=["rollouts"])
         self.rewards: list[RewardFn] = load_rewards(cfg)
+        self.runner = RewardRunner(self.rewards, cfg.scoring.reward_timeout_s)
         self.adv_hook = load_hook(cfg.scoring.advantages, "scoring.advantages")
         self.weights = np.array([r.weight for r in self.rewards], dtype=np.float64)
         self.limits = limits(cfg)
@@ -140,15 +145,19 @@ class Scorer:
     def info(self) -> dict[str, object]:
         kl = {"teacher_kl_sum": self.kl_sum, "teacher_tokens": self.kl_n} if self.teacher else {}
         return {**self.counts, "reward_sum": self.reward_sum, "reward_n": self.reward_n,
-                "part_sums": self.part_sums, "busy": self.busy, **kl}
+                "part_sums": self.part_sums, "busy": self.busy,
+                "reward_restarts": self.runner.restarts, **kl}
 
-    async def dead(self, bus: Bus, e: Entry, reason: str) -> None:
-        gid = peek_group_id(e.fields)
-        log.warning("dead-lettering %s (group %s): %s", e.id, gid, reason)
+    async def dead(self, bus: Bus, e: Entry, reason: str, gid: str | None) -> None:
+        """Dead-letter ``e``: ``gid`` is the group it decoded to (retired ``dead``), or
+        None for an entry that did not decode (counted ``undecodable``; the group id it
+        may name is not believed, `pipeline.bus.inbound`)."""
+        claimed = None if gid is not None else peek_group_id(e.fields)
+        log.warning("dead-lettering %s (group %s): %s", e.id,
+                    gid or f"none; claims {claimed}", reason)
         op = self.op("dead", e)
         if await self.ledger.settle(
-                op, [{"ev": "dead", "gid": gid, "retired": gid is not None, "id": e.id,
-                      "reason": reason[:200]}],
+                op, [dead_event(gid, e.id, reason, claimed)],
                 lambda: bus.dead_letter(e.stream, SCORERS_GROUP, e, reason=reason,
                                         role=self.wid, retire=gid is not None, op=op)):
             self.counts["dead"] += 1
@@ -166,7 +175,7 @@ class Scorer:
             g = await triage(bus, e, SCORERS_GROUP, stream=bus.keys.rollouts,
                              expect=RolloutGroup, limits=self.limits,
                              max_deliveries=self.cfg.bus.max_deliveries,
-                             dead_letter=lambda e, reason: self.dead(bus, e, reason))
+                             dead_letter=lambda e, reason, gid: self.dead(bus, e, reason, gid))
             if g is not None:
                 decoded.append((e, g))
         scored = await self.score(bus, decoded)
@@ -194,7 +203,7 @@ class Scorer:
         it is not in the result."""
         groups = [g for _, g in decoded]
         results, teacher = await asyncio.gather(
-            rewards_of(self.rewards, groups, self.cfg.scoring.reward_timeout_s),
+            rewards_of(self.runner, groups),
             teacher_of(self.teacher, groups))
         scored: list[Scored] = []
         for (e, g), parts, tlp in zip(decoded, results, teacher, strict=True):
@@ -208,7 +217,7 @@ class Scorer:
                 what = "teacher" if isinstance(err, TeacherError) else "reward"
                 self.counts[f"{what}_errors"] += 1
                 if e.deliveries >= self.cfg.bus.max_deliveries:
-                    await self.dead(bus, e, f"{what}: {err}")
+                    await self.dead(bus, e, f"{what}: {err}", g.group_id)
                 else:  # stays pending; reclaimed and retried after claim_idle_ms
                     log.warning("%s failed for %s (delivery %d): %s", what, e.id,
                                 e.deliveries, err)
@@ -220,7 +229,9 @@ class Scorer:
         """One scored group, given its group-relative reward advantages ``adv``: counted,
         written to the ledger, then retired ``filtered`` (no gradient and
         ``scoring.zero_variance = "filter"``), dead-lettered (the advantages hook
-        failed), or returned as the hand-off to send."""
+        failed, or its encoding would not decode with the limits the trainer uses:
+        handed off, the trainer would dead-letter it undecodable, which retires nothing,
+        and the group would hold a window slot for good), or returned as the hand-off."""
         e, g, parts, total = s.entry, s.group, s.parts, s.total
         self.reward_sum += float(total.sum())
         self.reward_n += len(total)
@@ -236,27 +247,35 @@ class Scorer:
             adv, tadv, flat = await self.final_advantages(s, adv, flat)
         except ValueError as err:  # the hook's bug: the group's, like a reward's
             self.counts["reward_errors"] += 1
-            await self.dead(bus, e, f"scoring.advantages: {err}")
+            await self.dead(bus, e, f"scoring.advantages: {err}", g.group_id)
             return None
-        kl = self.teacher_kl(s)
         gid = g.group_id
+        handoff = None
+        if not (flat and self.cfg.scoring.zero_variance == "filter"):
+            sg = ScoredGroup(group=g.for_training(), rewards=total.astype(np.float32),
+                             reward_parts={rf.name: parts[:, j].astype(np.float32)
+                                           for j, rf in enumerate(self.rewards)},
+                             advantages=np.asarray(adv, dtype=np.float32) if tadv is None
+                             else mean_over_mask(tadv, [r.mask for r in g.rollouts]),
+                             scorer=self.wid, t_scored=time.time(), token_advantages=tadv)
+            payload = encode(sg)
+            try:  # what the trainer will decode, exactly: the same bytes, codec and limits
+                decode(payload, self.limits, expect=ScoredGroup)
+            except DecodeError as err:  # e.g. a reward finite in float64, inf in float32
+                await self.dead(bus, e, f"scored group its reader would reject: {err}", gid)
+                return None
+            handoff = Handoff(e.id, payload, self.op("handoff", e),
+                              [{"ev": "handed_off", "gid": gid, "id": e.id,
+                                "version": int(g.min_version)}])
+        kl = self.teacher_kl(s)
         self.ledger.write("scored", gid, id=e.id, n=len(total), adv_sum=adv_sum, **kl)
-        if flat and self.cfg.scoring.zero_variance == "filter":
+        if handoff is None:  # flat, and scoring.zero_variance = "filter"
             op = self.op("filtered", e)
             if await self.ledger.settle(
                     op, [{"ev": "filtered", "gid": gid, "id": e.id}],
                     lambda: bus.retire(e.stream, SCORERS_GROUP, [e.id], "filtered", op=op)):
                 self.counts["filtered"] += 1
-            return None
-        sg = ScoredGroup(group=g.for_training(), rewards=total.astype(np.float32),
-                         reward_parts={rf.name: parts[:, j].astype(np.float32)
-                                       for j, rf in enumerate(self.rewards)},
-                         advantages=np.asarray(adv, dtype=np.float32) if tadv is None
-                         else mean_over_mask(tadv, [r.mask for r in g.rollouts]),
-                         scorer=self.wid, t_scored=time.time(), token_advantages=tadv)
-        return Handoff(e.id, encode(sg), self.op("handoff", e),
-                       [{"ev": "handed_off", "gid": gid, "id": e.id,
-                         "version": int(g.min_version)}])
+        return handoff
 
     async def final_advantages(self, s: Scored, adv: np.ndarray, flat: bool
                                ) -> tuple[np.ndarray, list[np.ndarray] | None, bool]:
@@ -325,7 +344,11 @@ class Scorer:
                 stop.set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        await probe_rewards(self.cfg, self.rewards)
+        try:
+            await probe_rewards(self.cfg, self.rewards, probe=self.runner.probe)
+        except BaseException:
+            await self.runner.close()
+            raise
         if self.teacher is not None:
             await self.teacher.start()
         bus = connect(self.cfg)
@@ -383,6 +406,7 @@ class Scorer:
             await bus.close()
             if self.teacher is not None:
                 await self.teacher.close()
+            await self.runner.close()
             self.ledger.close()
             log.info("scorer %s stopped: %s; left the group: %s", self.wid, self.counts, left)
 

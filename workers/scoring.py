@@ -1,6 +1,7 @@
 """What a scorer computes for one read, apart from the role's bookkeeping: the rewards
-and the teacher's logprobs of every group, the whole read at once and, when that call
-fails, group by group (`whole_then_each`), and the ``scoring.advantages`` hook's call.
+(in the reward process, `rewards_of`) and the teacher's logprobs of every group, the
+whole read at once and, when that call fails, group by group (`whole_then_each`), and
+the ``scoring.advantages`` hook's call.
 `workers.scorer` settles the results."""
 
 from __future__ import annotations
@@ -15,26 +16,41 @@ import numpy as np
 
 from pipeline.bus.schema import RolloutGroup
 from pipeline.rl.advantages import check_hook_advantages
-from workers.tasks.rewards import RewardError, RewardFn, episode_inputs, reward_matrix
+from workers.reward_runner import RewardRunner
+from workers.tasks.rewards import RewardError, episode_inputs, reward_kwargs
 from workers.teacher import Teacher, TeacherError
 
 log = logging.getLogger("sluice.scorer")
 
 
-async def rewards_of(rewards: list[RewardFn], groups: list[RolloutGroup], timeout_s: float
+def _reward_inputs(gs: list[RolloutGroup]) -> dict[str, Any]:
+    """The keyword arguments of one reward call over every rollout of ``gs``."""
+    prompts = [g.prompt for g in gs for _ in g.rollouts]
+    rollouts = [r for g in gs for r in g.rollouts]
+    comps, extra = episode_inputs(prompts, rollouts)
+    return reward_kwargs(prompts, comps, [r.completion_ids.tolist() for r in rollouts],
+                         [r.finish_reason for r in rollouts], extra)
+
+
+async def rewards_of(runner: RewardRunner, groups: list[RolloutGroup]
                      ) -> list[np.ndarray | RewardError]:
     """Per group, its [n, F] reward matrix (NaN where a function returned None) or
-    the error of its own call. One call over all groups first; on failure, one call
-    per group (`whole_then_each`)."""
-    async def call(gs: list[RolloutGroup]) -> np.ndarray:
-        prompts = [g.prompt for g in gs for _ in g.rollouts]
-        rollouts = [r for g in gs for r in g.rollouts]
-        comps, extra = episode_inputs(prompts, rollouts)
-        return await reward_matrix(
-            rewards, prompts, comps, [r.completion_ids.tolist() for r in rollouts],
-            [r.finish_reason for r in rollouts], timeout_s=timeout_s, extra=extra)
-
-    return await whole_then_each(groups, call, RewardError, "reward")  # type: ignore[return-value]
+    the error of its own call, computed in the reward process (`workers.reward_runner`).
+    One call over all groups first; on failure, one call per group, all of them in one
+    round trip and concurrently (so a hanging function costs one more timeout, not one
+    per group). Whatever a reward raises, returns or however it hangs, the result is a
+    ``RewardError`` in its group's place, never an exception out of here."""
+    if not groups:
+        return []
+    (whole,) = await runner.matrices([_reward_inputs(groups)])
+    if not isinstance(whole, RewardError):
+        bounds = np.cumsum([0, *(len(g.rollouts) for g in groups)])
+        return [whole[a:b] for a, b in itertools.pairwise(bounds)]
+    if len(groups) == 1:
+        return [whole]
+    log.info("reward call over %d groups failed (%s); scoring them one by one",
+             len(groups), whole)
+    return await runner.matrices([_reward_inputs([g]) for g in groups])
 
 
 async def teacher_of(teacher: Teacher | None, groups: list[RolloutGroup]

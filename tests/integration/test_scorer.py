@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,16 @@ def test_scorer_scores_filters_and_dead_letters_without_stopping(
     nan_lp["ro"][0]["lp"] = np.full(4, np.nan, dtype="<f4").tobytes()
     bad_schema = {**_valid_map(), "schema": 99}
     bad_schema["gid"] = "0:4"
+    # An entry that does not decode retires nothing, whatever group id it names (a
+    # forged one would make `retired` drift): it is dead-lettered and counted
+    # `undecodable`. So the three undecodable entries are appended outside the gate, as
+    # a writer that admitted nothing: honest producers never append what their consumer
+    # rejects (`test_group_its_consumer_would_reject_is_abandoned_dead_not_emitted`).
     payloads = [
         encode(make_group("0:1", texts=("123", "12", "1", "9"))),  # varied -> scored
-        b"\xc1\xc1 not msgpack",  # garbage, no group id -> dlq, not retired
-        msgpack.packb({**nan_lp, "gid": "0:3"}),  # NaN logprob -> dlq, retired dead
-        msgpack.packb(bad_schema),  # unknown schema -> dlq, retired dead
+        b"\xc1\xc1 not msgpack",  # garbage, no group id -> dlq, undecodable
+        msgpack.packb({**nan_lp, "gid": "0:3"}),  # NaN logprob -> dlq, undecodable
+        msgpack.packb(bad_schema),  # unknown schema -> dlq, undecodable
         encode(make_group("0:2", texts=("123", "123", "123", "123"))),  # equal: filter/train
     ]
 
@@ -52,10 +58,10 @@ def test_scorer_scores_filters_and_dead_letters_without_stopping(
         bus = Bus.connect(redis_server.url, run_name)
         k = bus.keys
         await bus.ensure_group(k.rollouts, SCORERS_GROUP)
-        # four admitted groups (the garbage entry was never admitted)
-        cursors = [await bus.admit(100, "g") for _ in range(4)]
-        for p in payloads:
-            if p.startswith(b"\xc1"):
+        # two admitted groups (the undecodable entries were never admitted)
+        cursors = [await bus.admit(100, "g") for _ in range(2)]
+        for i, p in enumerate(payloads):
+            if i in (1, 2, 3):
                 await bus.xadd(k.rollouts, p)
             else:
                 assert await bus.emit(p, cursor=cursors.pop(0), owner="g")
@@ -98,18 +104,29 @@ def test_scorer_scores_filters_and_dead_letters_without_stopping(
     assert any("NaN" in x for x in reasons)
     assert any("schema" in x for x in reasons)
     c = snap["conservation"]
-    assert c["by_reason"] == {"trained": 0, "filtered": 0 if flat else 1, "stale": 0, "dead": 2}
-    # 4 admitted: 1 (filter) or 2 (train) wait in `scored`, 1 filtered (filter), 2 dead
-    assert c["cursor"] == 4 and c["in_flight"] == (2 if flat else 1) and c["balanced"]
+    assert c["by_reason"] == {"trained": 0, "filtered": 0 if flat else 1, "stale": 0, "dead": 0}
+    assert c["undecodable"] == 3  # counted apart from the books
+    # 2 admitted: 1 (filter) or 2 (train) wait in `scored`, 1 filtered (filter)
+    assert c["cursor"] == 2 and c["in_flight"] == (2 if flat else 1) and c["balanced"]
 
 
-CALLS: list[int] = []  # batch sizes seen by `target_reward` (the scorer runs in-process)
+CALLS_ENV = "SLUICE_TEST_REWARD_CALLS"  # a file: a line per `target_reward` call, its size
+# (the scorer calls its rewards in its reward process, which inherits the environment)
+
+
+def _calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[], list[int]]:
+    """Record `target_reward`'s batch sizes from now on; returns their reader."""
+    path = tmp_path / "reward-calls"
+    monkeypatch.setenv(CALLS_ENV, str(path))
+    return lambda: [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
 def target_reward(*, completions: list[Any], target: list[str], **kwargs: Any) -> list[float]:
     """A keyword-only user reward reading the dataset column ``target``; raises on a call
     that includes a completion whose target is ``boom``."""
-    CALLS.append(len(completions))
+    if os.environ.get(CALLS_ENV):
+        with open(os.environ[CALLS_ENV], "a") as f:
+            f.write(f"{len(completions)}\n")
     if "boom" in target:
         raise RuntimeError("boom")
     return [float(c[0]["content"].endswith(t)) for c, t in zip(completions, target, strict=True)]
@@ -170,18 +187,19 @@ async def _score_all(cfg: Any, url: str, run_name: str, groups: list[Any],
 
 
 def test_trl_rewards_and_a_keyword_only_user_reward_run_unchanged_in_one_batch(
-        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> None:
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """TRL's own reward functions get conversational completions, the dataset's columns
     under their own names, and one call per function covers the whole read."""
     cfg = _hf_config(tmp_path, run_name, redis_server.url)
     texts = ("<think>a third</think> \\boxed{\\frac{1}{3}}", "\\boxed{\\frac{1}{2}}",
              "<think>hm</think> no", "\\boxed{1/3}")
-    CALLS.clear()
+    calls = _calls(monkeypatch, tmp_path)
     scorer, (scored, dlq) = arun(_score_all(cfg, redis_server.url, run_name,
                                             [_conv_group("0:1", "}", texts),
                                              _conv_group("0:2", "no", texts)]))
     assert not dlq and scorer.counts["reward_errors"] == 0
-    assert CALLS == [2, 8]  # the start-up probe (2 dummy completions), then one batch of 8
+    assert calls() == [2, 8]  # the start-up probe (2 dummy completions), then one batch of 8
     by_gid = {s.group.group_id: s for s in scored}
     assert sorted(by_gid) == ["0:1", "0:2"]
     parts = by_gid["0:1"].reward_parts
@@ -194,15 +212,16 @@ def test_trl_rewards_and_a_keyword_only_user_reward_run_unchanged_in_one_batch(
 
 
 def test_a_failing_batch_is_retried_per_group_so_one_bad_group_sinks_alone(
-        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> None:
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _hf_config(tmp_path, run_name, redis_server.url, "bus.max_deliveries=1")
     texts = ("\\boxed{\\frac{1}{3}}", "x", "y", "z")
-    CALLS.clear()
+    calls = _calls(monkeypatch, tmp_path)
     scorer, (scored, dlq) = arun(_score_all(cfg, redis_server.url, run_name,
                                             [_conv_group("0:1", "}", texts),
                                              _conv_group("0:2", "boom", texts),
                                              _conv_group("0:3", "z", texts)]))
-    assert CALLS[:4] == [2, 12, 4, 4] and len(CALLS) == 5  # probe, batch, then per group
+    assert calls() == [2, 12, 4, 4, 4]  # probe, batch, then per group (one round trip)
     assert sorted(s.group.group_id for s in scored) == ["0:1", "0:3"]
     (dead,) = dlq
     assert "raised RuntimeError('boom')" in dead[1][b"reason"].decode()
@@ -218,3 +237,41 @@ def test_scorer_stops_at_start_when_a_reward_cannot_be_called(
             r"scoring.rewards.0.fn 'tests.integration.test_scorer:target_reward': TypeError: "
             r"target_reward\(\) missing 1 required keyword-only argument: 'target'")):
         arun(Scorer(cfg, "s1").run(asyncio.Event()))
+
+
+def huge_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A user reward whose value for the completion ``9`` is finite in float64 but not in
+    float32, the width of the `scored` wire format: 1e39."""
+    return [1e39 if c == "9" else float(len(c)) for c in completions]
+
+
+def test_scorer_dead_letters_a_group_the_trainer_would_reject_instead_of_handing_it_off(
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path) -> None:
+    """A scored group whose encoding the trainer's decoder rejects (a reward that is inf in
+    float32) is not handed off (the trainer would dead-letter it as undecodable, which
+    retires nothing, and the group would hold a slot of the window for good): the scorer
+    dead-letters its (decodable) `rollouts` entry with the decoder's reason, which retires
+    it ``dead``; the other group of the read is handed off and decodes with the limits the
+    trainer uses."""
+    import redis
+
+    from pipeline.bus.keys import Keys
+    from pipeline.runtime import limits
+
+    cfg = load_config(None, [f"run.name={run_name}", f"run.output_dir={tmp_path}",
+                             f"bus.redis_url={redis_server.url}", "bus.block_ms=50",
+                             f"scoring.rewards=[{{fn='{__name__}:huge_reward'}}]"])
+    scorer, (scored, dlq) = arun(_score_all(cfg, redis_server.url, run_name, [
+        make_group("0:1", texts=("123", "12", "1", "9")),
+        make_group("0:2", texts=("123", "12", "1", "0"))]))
+    assert [s.group.group_id for s in scored] == ["0:2"]
+    r = redis.Redis.from_url(redis_server.url)
+    keys = Keys(run_name)
+    for _id, f in r.xrange(keys.scored):
+        decode_entry(f, limits(cfg), expect=ScoredGroup)
+    (dead,) = dlq
+    reason = dead[1][b"reason"].decode()
+    assert "group 0:1" in reason and "inf" in reason, reason
+    state = {k.decode(): int(v) for k, v in r.hgetall(keys.state).items()}
+    assert state["retired:dead"] == 1 and state["retired"] == 1, state
+    assert state.get("undecodable", 0) == 0 and scorer.counts["dead"] == 1

@@ -161,6 +161,8 @@ def test_call_reward_timeout_names_the_function() -> None:
         ([float("inf"), 1.0], "reward 0 is not finite"),
         ([1.0, "1"], "reward 1 is str, not a number"),
         ({"a": 1}, "returned dict, expected a list"),
+        ([10**400, 1.0], "reward 0 is not a finite float"),  # float() raises OverflowError
+        (None, "returned NoneType, expected a list"),
     ],
 )
 def test_call_reward_validates_results(result: Any, message: str) -> None:

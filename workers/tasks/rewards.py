@@ -26,7 +26,9 @@ Calling convention: TRL's GRPOTrainer (``_calculate_rewards`` in TRL 1.16), by k
 So TRL's reward functions (``trl.rewards:accuracy_reward``, ``think_format_reward``, …)
 and any ``def r(completions, solution, **kwargs)`` run unchanged. Reward functions are
 named by import path (``"package.module:function"``) so that any process can load them;
-nothing is pickled. `reward_matrix` is the one entry point that computes rewards.
+nothing is pickled. `reward_matrix` computes rewards in-process (the evaluator); the
+scorer calls them in its reward process (`workers.reward_runner`), through the same
+`invoke_reward` and `validate`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import math
 import numbers
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,12 +57,14 @@ _EOS = None  # end-of-sequence marker in character lists; never equal to a chara
 class RewardError(RuntimeError):
     """A reward function failed, timed out or returned something invalid. ``problem``
     says how (for a raised exception: ``"raised TypeError(...)"``; the exception itself is
-    ``__cause__``)."""
+    ``__cause__`` in-process); ``detail`` is a raised exception as ``"TypeError: msg"``
+    (what the start-up probe reports; it crosses from the reward process as text)."""
 
-    def __init__(self, name: str, problem: str) -> None:
+    def __init__(self, name: str, problem: str, detail: str | None = None) -> None:
         super().__init__(f"reward function {name!r}: {problem}")
         self.name = name
         self.problem = problem
+        self.detail = detail
 
 
 def _texts(completions: Sequence[Any]) -> list[str]:
@@ -167,9 +171,16 @@ def load_reward(path: str, weight: float = 1.0) -> RewardFn:
     return RewardFn(name=attr, fn=obj, weight=weight, path=path)
 
 
-def _validate(name: str, result: Any, n: int) -> list[float | None]:
+def validate(name: str, result: Any, n: int) -> list[float | None]:
+    """``result`` as ``n`` finite floats or Nones; anything else (not a list, a wrong
+    length, a string, a value ``float()`` rejects such as ``10**400``, NaN, inf) raises
+    ``RewardError``, never another exception: a bad value costs its group, not the role."""
     if hasattr(result, "tolist") and not isinstance(result, list | tuple):
-        result = result.tolist()  # numpy arrays / torch tensors
+        try:
+            result = result.tolist()  # numpy arrays / torch tensors
+        except Exception as e:
+            raise RewardError(name, f"returned {type(result).__name__} whose tolist() "
+                              f"raised {e!r}") from e
     if not isinstance(result, list | tuple):
         raise RewardError(name, f"returned {type(result).__name__}, expected a list")
     if len(result) != n:
@@ -181,7 +192,10 @@ def _validate(name: str, result: Any, n: int) -> list[float | None]:
             continue
         if not isinstance(value, numbers.Real):
             raise RewardError(name, f"reward {i} is {type(value).__name__}, not a number")
-        value = float(value)
+        try:
+            value = float(value)
+        except Exception as e:  # OverflowError of a huge int, a Real whose float() fails
+            raise RewardError(name, f"reward {i} is not a finite float ({e})") from e
         if not math.isfinite(value):
             raise RewardError(name, f"reward {i} is not finite ({value})")
         out.append(value)
@@ -215,35 +229,41 @@ async def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> A
     return await done
 
 
+async def invoke_reward(rf: RewardFn, kwargs: dict[str, Any]) -> Any:
+    """``rf(**kwargs)``, unbounded: async functions awaited, sync ones in a daemon thread
+    (the event loop keeps serving). EVERY exception the function raises, ``SystemExit``
+    and ``KeyboardInterrupt`` included, is its own failure: ``RewardError``."""
+    try:
+        if inspect.iscoroutinefunction(rf.fn):
+            result = await rf.fn(**kwargs)
+        else:
+            result = await _in_daemon_thread(rf.fn, kwargs)
+        if inspect.isawaitable(result):  # e.g. an object with an async __call__
+            result = await result
+    except asyncio.CancelledError:  # our own timeout cancelling the call
+        raise
+    except BaseException as e:  # the function's own failure, including its TimeoutError
+        raise RewardError(rf.name, f"raised {e!r}", f"{type(e).__name__}: {e}") from e
+    return result
+
+
 async def call_reward(rf: RewardFn, kwargs: dict[str, Any], n: int,
                       timeout_s: float) -> list[float | None]:
-    """Call one reward function with TRL's keyword arguments (`reward_kwargs`) and
-    return validated floats (or None), ``n`` of them.
+    """Call one reward function in this process with TRL's keyword arguments
+    (`reward_kwargs`) and return validated floats (or None), ``n`` of them.
 
-    Async functions are awaited; sync ones run in a daemon thread so the event loop keeps
-    serving. Every failure (exception, timeout, bad result) raises ``RewardError``. A
-    timed-out sync function cannot be killed: its thread runs on, the result is dropped.
+    Every failure (exception, timeout, bad result) raises ``RewardError``. A timed-out
+    sync function cannot be killed: its thread runs on, the result is dropped; an async
+    one that blocks the loop is not interrupted at all. The scorer therefore calls its
+    rewards in a separate process instead (`workers.reward_runner`).
     """
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-
-    async def invoke() -> Any:
-        try:
-            if inspect.iscoroutinefunction(rf.fn):
-                result = await rf.fn(**kwargs)
-            else:
-                result = await _in_daemon_thread(rf.fn, kwargs)
-            if inspect.isawaitable(result):  # e.g. an object with an async __call__
-                result = await result
-        except Exception as e:  # the function's own failure, including its TimeoutError
-            raise RewardError(rf.name, f"raised {e!r}") from e
-        return result
-
     try:
-        result = await asyncio.wait_for(invoke(), timeout_s)
+        result = await asyncio.wait_for(invoke_reward(rf, kwargs), timeout_s)
     except TimeoutError as e:
         raise RewardError(rf.name, f"timed out after {timeout_s:g}s") from e
-    return _validate(rf.name, result, n)
+    return validate(rf.name, result, n)
 
 
 def reward_kwargs(prompts: Sequence[Mapping[str, Any]], completions: Sequence[Any],
@@ -325,17 +345,18 @@ async def probe_reward(rf: RewardFn, prompt: Mapping[str, Any], timeout_s: float
     (``"TypeError: r() missing 1 required keyword-only argument: 'target'"``). The
     values are not judged; a dummy completion proves only that the function can be
     called with this task's columns."""
+    try:
+        await call_reward(rf, probe_kwargs(prompt), 2, timeout_s)
+    except RewardError as e:
+        return e.detail or e.problem
+    return None
+
+
+def probe_kwargs(prompt: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a probe call (`probe_reward`): two dummy completions."""
     answer = prompt.get("answer")
     texts = ["" if answer is None else str(answer), ""]
-    try:
-        await reward_matrix([rf], [prompt, prompt], texts, [[], []], ["stop", "length"],
-                            timeout_s=timeout_s)
-    except RewardError as e:
-        cause = e.__cause__
-        if cause is not None and not isinstance(cause, TimeoutError):
-            return f"{type(cause).__name__}: {cause}"
-        return e.problem
-    return None
+    return reward_kwargs([prompt, prompt], texts, [[], []], ["stop", "length"])
 
 
 # ------------------------------------------------------------------ a config's rewards
@@ -360,15 +381,19 @@ def load_rewards(cfg: Config, key: str = "scoring.rewards") -> list[RewardFn]:
 
 
 async def probe_rewards(cfg: Config, rewards: list[RewardFn], task: Task | None = None,
-                        key: str = "scoring.rewards") -> None:
+                        key: str = "scoring.rewards",
+                        probe: Callable[[Mapping[str, Any]], Awaitable[list[str | None]]]
+                        | None = None) -> None:
     """Call each reward once on a held-out prompt of the task (the first training prompt
-    if there is none; `probe_reward`). ``ConfigError`` naming the first
+    if there is none; `probe_reward`, or ``probe``: the scorer's reward process,
+    `workers.reward_runner.RewardRunner.probe`). ``ConfigError`` naming the first
     function (under ``key``) that cannot be called, with its own error message."""
     task = task or task_from_config(cfg)
     held = task.heldout(1)
     prompt = held[0] if held else task.prompt(0)
     timeout_s = cfg.scoring.reward_timeout_s
-    problems = await asyncio.gather(*[probe_reward(rf, prompt, timeout_s) for rf in rewards])
+    problems = await probe(prompt) if probe is not None else await asyncio.gather(
+        *[probe_reward(rf, prompt, timeout_s) for rf in rewards])
     for i, (rf, problem) in enumerate(zip(rewards, problems, strict=True)):
         if problem is not None:
             hint = " (raise scoring.reward_timeout_s?)" if problem.startswith("timed out") else ""
