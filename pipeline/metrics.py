@@ -93,11 +93,15 @@ SPECS: tuple[Spec, ...] = (
     Spec(Counter, "rollout_rejected_weights", "Announced weight versions refused"),
     Spec(Counter, "rollout_gate_wait_seconds", "Time spent waiting on a closed gate"),
     Spec(Gauge, "rollout_gate_closed", "1 while the generator waits on a closed gate"),
+    Spec(Gauge, "rollout_waiting_for_weights",
+         "1 while the generator, over max_staleness behind, waits for newer weights"),
     Spec(Gauge, "rollout_policy_version", "Weight version the engine samples from"),
     # sample_: scorers
     Spec(Counter, "sample_groups", "Groups settled by the scorer", ("outcome",)),
     Spec(Counter, "sample_completions", "Completions rewarded"),
     Spec(Counter, "sample_reward_errors", "Reward calls that failed for a group"),
+    Spec(Counter, "sample_reward_restarts", "Reward processes killed (a call outlived "
+         "scoring.reward_timeout_s) or lost, each replaced"),
     Spec(Counter, "sample_reclaimed", "Entries reclaimed from idle consumers (XAUTOCLAIM)"),
     Spec(Gauge, "sample_reward", "Mean total reward of the completions rewarded in the "
          "last heartbeat period"),
@@ -125,6 +129,9 @@ SPECS: tuple[Spec, ...] = (
          "on and its oldest token, per trained group", buckets=VERSIONS),
     # eval_: evaluator
     Spec(Counter, "eval_evaluations", "Held-out evaluations done"),
+    Spec(Counter, "eval_reward_errors", "Held-out evaluations skipped: a reward call failed"),
+    Spec(Counter, "eval_reward_restarts", "The evaluator's reward processes killed (a call "
+         "outlived scoring.reward_timeout_s) or lost, each replaced"),
     Spec(Gauge, "eval_result", "Figures of the last held-out evaluation", ("metric",)),
     # perf_: durations
     Spec(Histogram, "perf_step_seconds", "Trainer: a step from its groups buffered to "
@@ -171,12 +178,14 @@ SYNCED: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
                   "rejected_weights": ("rollout_rejected_weights", {}),
                   "gate_wait_s": ("rollout_gate_wait_seconds", {}),
                   "gate_closed": ("rollout_gate_closed", {}),
+                  "waiting_for_weights": ("rollout_waiting_for_weights", {}),
                   "version": ("rollout_policy_version", {}), "leases": ("bus_leases_held", {})},
     "scorer": {"scored": ("sample_groups", {"outcome": "scored"}),
                "filtered": ("sample_groups", {"outcome": "filtered"}),
                "dead": ("sample_groups", {"outcome": "dead"}),
                "reward_n": ("sample_completions", {}),
                "reward_errors": ("sample_reward_errors", {}),
+               "reward_restarts": ("sample_reward_restarts", {}),
                "teacher_errors": ("sample_teacher_errors", {}),
                "reclaimed": ("sample_reclaimed", {})},
     "trainer": {"trained_groups": ("batch_groups", {"outcome": "trained"}),
@@ -190,7 +199,9 @@ SYNCED: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
                 "archive_paused": ("batch_archive_paused", {})},
     "archiver": {"archived": ("archive_groups", {}), "files": ("archive_files", {}),
                  "skipped": ("archive_skipped", {}), "buffered": ("archive_buffered", {})},
-    "evaluator": {"version": ("rollout_policy_version", {})},
+    "evaluator": {"version": ("rollout_policy_version", {}),
+                  "reward_errors": ("eval_reward_errors", {}),
+                  "reward_restarts": ("eval_reward_restarts", {})},
 }
 """Heartbeat key of each role → the metric (and labels) that mirrors it: a counter grows
 by the key's increase since the previous beat (role counters start at 0 in each process),

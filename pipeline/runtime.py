@@ -75,14 +75,35 @@ def run_role(main: Callable[[asyncio.Event], Awaitable[Any]], role: str) -> Any:
     async def runner() -> Any:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
         try:
             return await main(stop)
         finally:
             bound_exit()
 
-    return event_loop_runner()(runner())
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        return event_loop_runner()(runner())
+    finally:
+        restore_signals(before)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""What asks a role to stop (`run_role`): while its loop runs, they set ``stop``."""
+
+
+def restore_signals(before: dict[signal.Signals, Any]) -> None:
+    """Put back the handlers `run_role` found, once the role's loop has closed, and detach
+    the loop's wakeup fd. WHY: uvloop's ``remove_signal_handler`` does nothing after
+    ``close()``, so its handler stayed installed and a role stalled in teardown (a
+    thread that never ends, a slow atexit hook) ignored SIGTERM and could only be
+    SIGKILLed; asyncio's loop restores them itself, so this is a no-op there."""
+    for sig, handler in before.items():
+        with contextlib.suppress(ValueError, OSError, TypeError):  # not the main thread
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)
 
 
 STACKS_SIGNAL = signal.SIGUSR1 if hasattr(signal, "SIGUSR1") else None
@@ -94,15 +115,20 @@ log under `sluice up`) and go on: how a role that hangs is diagnosed where it ru
 STACK_DUMP_MARK = "(most recent call first):"
 """How every thread's section of a `faulthandler` dump begins (its first line ends so)."""
 
+HANG_REPORT_MARK = "=== hang report"
+"""How the first line of `pipeline.ops.hang_report.hang_report` begins (`sluice up` writes
+it into a straggler's log before killing it)."""
+
 
 def log_tail(text: str, lines: int = 30, most: int = 300) -> str:
     """The last ``lines`` lines of a role's log, reaching back (up to ``most`` lines) to
-    the start of a stack dump when the tail is inside one (`STACKS_SIGNAL`, `bound_exit`),
-    so a report of a hung role shows where every thread was."""
+    the start of a stack dump or hang report when the tail is inside one
+    (`STACKS_SIGNAL`, `bound_exit`, `HANG_REPORT_MARK`), so a report of a hung role shows
+    where every thread was."""
     rows = text.splitlines()
     start = len(rows) - lines
     for i in range(max(0, len(rows) - most), len(rows)):
-        if rows[i].endswith(STACK_DUMP_MARK):
+        if rows[i].endswith(STACK_DUMP_MARK) or rows[i].startswith(HANG_REPORT_MARK):
             start = min(start, i)
             break
     return "\n".join(rows[max(0, start):])

@@ -16,7 +16,10 @@ admitted cursor is leased to this generator (``generation.lease_s``, renewed whi
 works); on a clean stop the current batches are finished and written; if the generator
 dies, its leases expire and another (or the restarted) generator takes the cursors over
 and generates them. Appending is conditional on holding the lease (one Lua script), so a
-group is never appended twice, even by a generator that was only slow.
+group is never appended twice, even by a generator that was only slow. A group is appended
+only if its encoded bytes decode with the codec and limits its scorer uses
+(`pipeline.runtime.limits`); one that does not (a NaN logprob, a token id outside the
+vocabulary) is retired ``dead`` instead (`Generator.abandon`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import numpy as np
 from pipeline.attention import check_attention
 from pipeline.bus import control
 from pipeline.bus.client import Bus, worker_id
-from pipeline.bus.codec import encode
+from pipeline.bus.codec import DecodeError, decode, encode
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import RolloutGroup, RunFinished, WeightsPublished
 from pipeline.bus.transient import transient
@@ -43,13 +46,14 @@ from pipeline.config import Config
 from pipeline.devices import resolve_device
 from pipeline.metrics import start as start_metrics
 from pipeline.model import load_policy, load_tokenizer
-from pipeline.runtime import Heartbeat, connect, join, set_threads
+from pipeline.runtime import Heartbeat, connect, join, limits, set_threads
 from pipeline.weights import WeightError, check_store, engine_format, make_transport
 from workers.engines.base import Engine, EngineError, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.environments.base import EpisodeFailure
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
 from workers.hooks import load_filter, load_rollout, render_group_prompt
+from workers.staleness import WeightsBehind
 from workers.tasks.catalog import Task, prompt_for_cursor, task_from_config
 from workers.tasks.prompts import Messages
 
@@ -86,6 +90,7 @@ class Generator:
             top_k=cfg.generation.top_k, top_p=cfg.generation.top_p)
         self.rollout = load_rollout(cfg)  # None: single completions
         self.filter = load_filter(cfg)
+        self.limits = limits(cfg)  # the scorer's decode limits: same function, same config
         self.batcher = TurnBatcher(self.engine)  # episodes in flight share engine batches
         self.skipped_prompts = 0
         self.groups = 0
@@ -99,6 +104,7 @@ class Generator:
         self.lost_leases = 0
         self._swap_lock = asyncio.Lock()
         self.announced = asyncio.Event()  # set by the control watcher on each new version
+        self.behind = WeightsBehind(cfg.trainer.max_staleness)  # admits only while current
         self.lease_ms = int(cfg.generation.lease_s * 1000)
         # expired leases are looked for every lease/4 (and at the first admission), not on
         # every poll of the gate: the scan reads the whole leases hash (O(window)) on the
@@ -117,6 +123,9 @@ class Generator:
                 "gate_wait_s": round(self.gate_wait_s, 3), "gate_closed": self.gate_closed,
                 "rejected_weights": self.rejected_weights, "taken_over": self.taken_over,
                 "lost_leases": self.lost_leases, "leases": len(self.leases), "engine": engine,
+                "waiting_for_weights": self.behind.waiting,
+                "weights_behind": self.behind.behind(self.engine.version),
+                "weights_wait_s": round(self.behind.wait_s, 3),
                 **({"healthy": False} if not engine.get("healthy", True) else {})}
 
     async def apply(self, msg: WeightsPublished) -> None:
@@ -151,6 +160,7 @@ class Generator:
         async for msg in control.watch(bus, from_id="0", stop=stop,
                                        block_ms=self.cfg.bus.block_ms):
             if isinstance(msg, WeightsPublished):
+                self.behind.saw(msg.version)
                 self.announced.set()  # the gate opens as the trainer retires its step
                 await self.apply(msg)
             elif isinstance(msg, RunFinished):
@@ -338,21 +348,20 @@ class Generator:
         for (c, epoch, idx, prompt), pids, comps in zip(metas, prompt_ids, results, strict=True):
             group_id = f"{epoch}:{idx}"
             if isinstance(comps, str):
-                log.warning("group %s failed for good, retired dead: %s", group_id, comps)
-                op = f"abandon:{c}:{self.wid}"
-                ok = await self.settle(bus, c, op, {"ev": "dead", "retired": True},
-                                       lambda g=group_id, c=c, r=comps, op=op: bus.abandon(
-                    g, cursor=c, owner=self.wid, reason=f"generation failed: {r}",
-                    role=self.wid, op=op))
-                self.dead_groups += ok
+                await self.abandon(bus, c, group_id, f"generation failed: {comps}")
                 continue
             group = RolloutGroup(
                 group_id=group_id, prompt_index=idx, epoch=epoch, prompt=prompt,
                 prompt_ids=np.asarray(pids, dtype=np.int32), generator=self.wid,
                 t_admit=t_admit, t_done=t_done,
                 rollouts=[x.to_rollout(self.tokenizer) for x in comps])
-            emits.append((c, encode(group), f"emit:{c}:{self.wid}", group.min_version,
-                          comps))
+            payload = encode(group)
+            try:  # what the scorer will decode, exactly: the same bytes, codec and limits
+                decode(payload, self.limits, expect=RolloutGroup)
+            except DecodeError as e:
+                await self.abandon(bus, c, group_id, f"invalid group: {e}")
+                continue
+            emits.append((c, payload, f"emit:{c}:{self.wid}", group.min_version, comps))
         if not emits:
             return
         # one pipelined round trip for the batch, retried on connection loss (each EMIT is
@@ -365,6 +374,20 @@ class Generator:
                 self.groups += 1
                 self.completions += len(comps)
                 self.tokens += sum(int(x.mask.sum()) for x in comps)
+
+    async def abandon(self, bus: Bus, cursor: int, group_id: str, reason: str) -> None:
+        """Retire the leased group ``cursor`` ``dead`` with a dlq record naming ``reason``
+        (the lease-checked ABANDON script): its generation failed for good, or it came out
+        as something its consumer would reject. WHY not append the latter: an entry that
+        does not decode is dead-lettered without retiring the group it names (that name is
+        not believed, `pipeline.bus.inbound`), so the group would hold a slot of the
+        window for good; only its producer can retire it."""
+        log.warning("group %s retired dead: %s", group_id, reason)
+        op = f"abandon:{cursor}:{self.wid}"
+        self.dead_groups += await self.settle(
+            bus, cursor, op, {"ev": "dead", "retired": True},
+            lambda: bus.abandon(group_id, cursor=cursor, owner=self.wid, reason=reason,
+                                role=self.wid, op=op))
 
     async def settle(self, bus: Bus, cursor: int, op: str, event: dict[str, object],
                      call: Callable[[], Awaitable[T]]) -> T:
@@ -394,9 +417,23 @@ class Generator:
         return results
 
     async def produce(self, bus: Bus, stop: asyncio.Event) -> None:
-        """One admit -> generate -> append loop; `run` keeps ``concurrent_batches`` of them."""
+        """One admit -> generate -> append loop; `run` keeps ``concurrent_batches`` of them.
+        Nothing is admitted while the engine is more than ``max_staleness`` versions behind
+        the run (`workers.staleness`): all it would decode is retired stale."""
+        if self.behind.run_version is None:  # before the first admission, not after it
+            raw = await bus.retrying(lambda: bus.r.hget(bus.keys.state, "version"),
+                                     "version", stop)  # the global one: lanes mirror it
+            self.behind.saw(int(raw or 0))
         while not stop.is_set():
+            await self.behind.wait_current(
+                lambda: self.engine.version,
+                lambda: bus.retrying(lambda: self.catch_up(bus, self.behind.run_version or 0),
+                                     "catch up", stop),
+                self.announced, stop)
+            if stop.is_set():
+                break
             cursors, version = await self.admit_batch(bus, stop)
+            self.behind.saw(version)
             if cursors:  # the gate opened on a new version: decode on it, not the last one
                 await bus.retrying(lambda v=version: self.catch_up(bus, v), "catch up", stop)
                 await self.generate_batch(bus, cursors)

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from pathlib import Path
 
 import pytest
 
 from pipeline.bus import control
 from pipeline.bus.client import Bus
+from pipeline.bus.codec import decode_entry
 from pipeline.bus.schema import RunFinished, WeightsPublished
 from pipeline.ops.embedded import EmbeddedRedis
+from pipeline.ports import free_port
 from tests.conftest import arun
+from tests.helpers import wait_for_async
 
 pytestmark = pytest.mark.integration
 
@@ -86,3 +91,50 @@ def test_sluice_up_sees_the_end_of_the_run_among_the_newest_control_entries(
         return seen
 
     assert arun(go()) == [False, False, True]
+
+
+def test_the_end_of_the_run_is_announced_and_cleared_across_a_redis_restart(
+        tmp_path: Path, run_name: str) -> None:
+    """`control.finish` and `control.clear_finished` wait out an outage like every other
+    write (`Bus.retrying`): called while Redis is down, each lands once it is back, and a
+    retried announcement is written once. Without it, a blip at the end of the run left
+    every other role waiting forever for a RunFinished that was never written."""
+    srv = EmbeddedRedis(tmp_path / "redis", port=free_port())  # AOF: the stream survives
+    srv.start()
+
+    async def during_outage(bus: Bus, call: Awaitable[object]) -> object:
+        """Stop Redis, start ``call``, wait until it has met the outage, start Redis."""
+        srv.stop()
+        task = asyncio.ensure_future(call)
+        await wait_for_async(lambda: _now(task.done() or not bus.healthy), 30,
+                             "the call to meet the outage")
+        if task.done():
+            task.result()  # it gave up instead of waiting: raise its error
+        await asyncio.to_thread(srv.start)
+        return await asyncio.wait_for(task, 60)
+
+    async def go() -> None:
+        bus = Bus.connect(srv.url, run_name, reconnect_max_s=0.5)
+        try:
+            await control.announce(bus, _w(1))
+            await during_outage(bus, control.finish(bus, "max_steps"))
+            assert bus.healthy
+            rows = await bus.r.xrange(bus.keys.control)
+            ends = [m for _id, f in rows if isinstance(m := decode_entry(f), RunFinished)]
+            assert [m.reason for m in ends] == ["max_steps"], ends
+            assert await control.finished(bus) is not None
+            await during_outage(bus, control.clear_finished(bus))
+            assert await control.finished(bus) is None
+            latest = await control.latest(bus)
+            assert latest is not None and latest.version == 1  # announcements are kept
+        finally:
+            await bus.close()
+
+    try:
+        arun(go())
+    finally:
+        srv.stop()
+
+
+async def _now(value: bool) -> bool:
+    return value

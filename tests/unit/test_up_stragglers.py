@@ -1,8 +1,10 @@
 """`sluice up` stops a role that ignores SIGTERM: it first asks it for its threads'
-stacks (`pipeline.runtime.STACKS_SIGNAL`), which land in the role's log, then kills it."""
+stacks (`pipeline.runtime.STACKS_SIGNAL`), which land in the role's log, writes what
+`/proc` says of each thread there (`pipeline.ops.hang_report`), then kills it."""
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 import time
@@ -19,6 +21,8 @@ from pipeline.runtime import STACKS_SIGNAL, dump_stacks_on
 dump_stacks_on(STACKS_SIGNAL)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 def wait_forever_in_a_helper():
+    import ctypes
+    ctypes.CDLL(None).prctl(15, b"stuck-helper", 0, 0, 0)  # PR_SET_NAME: its OS name
     threading.Event().wait()
 t = threading.Thread(target=wait_forever_in_a_helper, name="helper")
 t.start()
@@ -49,6 +53,14 @@ def test_a_role_that_ignores_sigterm_leaves_its_stacks_in_its_log_and_is_killed(
         tail = sup.children[0].tail(3)
         assert tail.splitlines()[0].endswith("(most recent call first):"), tail
         assert "wait_forever_in_a_helper" in tail and "in join" in tail, tail
+        # and, written before the kill, each thread as /proc saw it: the helper asleep
+        # in a futex (a Python lock), named as the OS knows it
+        assert f"=== hang report of pid {proc.pid}" in text, text
+        helper = next((ln for ln in text.splitlines() if "'stuck-helper' S" in ln), None)
+        assert helper is not None, text
+        if platform.machine() in ("x86_64", "aarch64"):
+            assert "syscall=futex" in helper, helper
+        assert "=== hang report" in sup.children[0].tail(3), sup.children[0].tail(3)
     finally:
         if proc.poll() is None:
             proc.kill()
