@@ -5,9 +5,19 @@ Layout: ``<output_dir>/checkpoints/step-<N>/`` with the weights, ``optimizer.pt`
 ``meta.json``. The weights are ``model.safetensors`` (every tensor) for a full-weight
 run and ``adapter_model.safetensors`` (the LoRA adapter only, peft's saved keys, as the
 weight store publishes it) for a LoRA run: the frozen base is the model directory
-itself, so it is never copied. A checkpoint directory appears only complete (written
-under a temporary name, then renamed); the newest complete one is resumed, and resuming
-a LoRA checkpoint into a full-weight run (or the reverse) is refused, not half-loaded.
+itself, so it is never copied. Resuming a LoRA checkpoint into a full-weight run (or the
+reverse) is refused, not half-loaded.
+
+Crash safety (`pipeline.durable`): a checkpoint is written into ``.tmp-step-<N>-<pid>/``,
+every file fsynced, then the folder; the rename to ``step-<N>`` is the commit point (no
+separate completion marker: only ``step-*`` names are ever loaded, and such a name exists
+only for a folder whose every file reached the disk); the parent is fsynced, and only
+then are checkpoints beyond ``keep`` pruned, so the previous checkpoint is never deleted
+before the new one is durable. A failed write (a full disk) removes its temporary folder
+and raises `CheckpointError`; the folders a crashed writer left, of any PID, are removed
+when the next trainer takes the lock (`clean_temp`: only the lock's holder writes here).
+Before the rename and before pruning, ``guard`` (the trainer lock's fence,
+`trainer.lock.TrainerLock.guard`) refuses a trainer that lost its lock.
 
 ``optimizer.pt`` holds ``{"optimizer": …, "scheduler": …}``: the optimizer state keyed by
 parameter name (``torch.distributed.checkpoint.state_dict``'s full state dict), so a
@@ -19,9 +29,11 @@ the learning-rate schedule's position. Older checkpoints (a plain
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from pipeline.durable import commit_dir, remove_temp, test_pause
 from pipeline.model import adapter_state, adapter_to_model_keys, is_peft
 from pipeline.weights import ADAPTER_FILE
 from pipeline.weights.file import SINGLE_FILE as WEIGHTS_FILE
@@ -52,10 +65,30 @@ class TrainerState:
     tokens_seen: int = 0  # prompt + completion tokens trained so far (TRL's num_tokens)
 
 
+class CheckpointError(OSError):
+    """A checkpoint could not be written (a full disk, an I/O error); nothing of it is
+    left behind and the previous checkpoints are intact."""
+
+
 class Checkpointer:
     def __init__(self, root: str | Path, keep: int = 2):
         self.root = Path(root)
         self.keep = keep
+        self.guard: Callable[[], None] | None = None  # the lock's fence (module docstring)
+        self.generation = 0  # the writer's lock generation, recorded in meta.json
+
+    def clean_temp(self) -> list[Path]:
+        """Remove what crashed writers left (temporary folders of any PID)."""
+        return remove_temp(self.root)
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete checkpoint (None: there is none)."""
+        ckpts = self.list()
+        return int(ckpts[-1].name.split("-", 1)[1]) if ckpts else None
+
+    def _check(self) -> None:
+        if self.guard is not None:
+            self.guard()
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              state: TrainerState, scheduler: Scheduler | None = None,
@@ -67,21 +100,40 @@ class Checkpointer:
         optim = get_optimizer_state_dict(model, optimizer, options=_options(ranks))
         if not ranks.is_main:
             return None
+        self._check()  # a trainer that lost its lock does not even start writing
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step-{state.step:08d}"
         tmp = self.root / f".tmp-step-{state.step:08d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        save_file(weights, str(tmp / (ADAPTER_FILE if is_peft(model) else WEIGHTS_FILE)))
-        torch.save({"optimizer": optim,
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None},
-                   tmp / "optimizer.pt")
-        (tmp / "meta.json").write_text(json.dumps(state.__dict__))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in self.list()[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        try:
+            tmp.mkdir()
+            save_file(weights, str(tmp / (ADAPTER_FILE if is_peft(model) else WEIGHTS_FILE)))
+            test_pause()
+            torch.save({"optimizer": optim,
+                        "scheduler": scheduler.state_dict() if scheduler is not None else None},
+                       tmp / "optimizer.pt")
+            test_pause()
+            (tmp / "meta.json").write_text(json.dumps(  # written last
+                {**state.__dict__, "generation": self.generation}))
+            self._check()
+            commit_dir(tmp, final)  # the commit point
+        except BaseException as e:
+            code = e.errno if isinstance(e, OSError) else None
+            if isinstance(e, RuntimeError) and _disk_full(self.root):
+                code = errno.ENOSPC  # torch.save reports it as an iostream RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            if code in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+                raise CheckpointError(
+                    code, f"checkpoint of step {state.step} could not be written to "
+                    f"{self.root}: {os.strerror(code or 0)}; nothing of it was kept and "
+                    f"the previous checkpoints are intact ({[p.name for p in self.list()]})"
+                ) from e
+            raise
+        self._check()
+        for old in self.list()[: -self.keep]:  # renamed away first: a pruning cut short
+            gone = self.root / f".tmp-pruned-{old.name}"  # never leaves a half step-* folder
+            os.replace(old, gone)
+            shutil.rmtree(gone, ignore_errors=True)
         return final
 
     def list(self) -> list[Path]:
@@ -118,7 +170,7 @@ class Checkpointer:
                 scheduler.load_state_dict(saved["scheduler"])
         else:  # written before parameter-name keys: a plain optimizer.state_dict()
             optimizer.load_state_dict(saved)
-        return TrainerState(**json.loads((path / "meta.json").read_text()))
+        return _state(json.loads((path / "meta.json").read_text()))
 
     def _load_distributed(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                           scheduler: Scheduler | None, ranks: Ranks) -> TrainerState | None:
@@ -148,7 +200,20 @@ class Checkpointer:
             if ranks.is_main else None))
         if scheduler is not None and blob["scheduler"] is not None:
             scheduler.load_state_dict(blob["scheduler"])
-        return TrainerState(**blob["meta"])
+        return _state(blob["meta"])
+
+
+def _disk_full(folder: Path, below_bytes: int = 1 << 20) -> bool:
+    """Whether the filesystem of ``folder`` has (almost) no space left."""
+    try:
+        return shutil.disk_usage(folder).free < below_bytes
+    except OSError:
+        return False
+
+
+def _state(meta: dict) -> TrainerState:
+    """The state in a ``meta.json`` (which also names the writer's ``generation``)."""
+    return TrainerState(**{k: v for k, v in meta.items() if k != "generation"})
 
 
 def _options(ranks: Ranks) -> StateDictOptions:

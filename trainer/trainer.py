@@ -52,9 +52,11 @@ import torch
 from pipeline.attention import check_attention
 from pipeline.bus import control
 from pipeline.bus.client import Bus, worker_id
+from pipeline.bus.fencing import FencedOut
 from pipeline.bus.keys import ARCHIVERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import ScoredGroup
+from pipeline.bus.version_check import verified_version
 from pipeline.config import Config, ConfigError
 from pipeline.devices import resolve_device
 from pipeline.metrics import start as start_metrics
@@ -73,10 +75,11 @@ from trainer.distributed import (
     compute_thread,
     full_state,
 )
-from trainer.lock import TrainerLock
+from trainer.fenced import arm, lost
+from trainer.lock import TrainerLock, TrainerLockLost
 from trainer.reader import Reader, is_stale
 from trainer.setup import TrainSetup
-from trainer.stats import rollout_stats, step_tokens
+from trainer.stats import reward_part_means, rollout_stats, step_tokens
 from trainer.step import compute_loss, optimize
 
 log = logging.getLogger("sluice.trainer")
@@ -247,7 +250,9 @@ class Trainer:
     async def resume(self, bus: Bus) -> None:
         """Continue from the newest checkpoint; never move ``version`` backwards."""
         st = await self.compute(self.load_checkpoint)
-        redis_version = (await bus.state()).get("version", -1)
+        # state.version only as far as the trainer's own announcements on control back it:
+        # every writing role may write `state` (pipeline.bus.version_check)
+        redis_version = await verified_version(bus)
         if st is not None:
             self.state = st
             self.reader.restore(st.trained_ids)
@@ -289,9 +294,11 @@ class Trainer:
                  self.ranks.world, self.setup.device, self.step_settings.layout,
                  self.train_cfg.micro_batch_tokens or "off")
         bus = connect(self.cfg)
-        lock = TrainerLock(bus, ttl_s=min(30.0, max(2.5, 5 * self.cfg.bus.heartbeat_s)))
+        lock = TrainerLock(bus, ttl_s=min(30.0, max(2.5, 5 * self.cfg.bus.heartbeat_s)),
+                           fence_dir=self.ckpt.root)
         try:
             await lock.acquire(stop)
+            await self.compute(arm, lock, self.ckpt, self.store)  # file I/O, never the loop
             await self.start_nccl()
             groups = [TRAINERS_GROUP] + ([ARCHIVERS_GROUP] if self.cfg.archive.enabled else [])
             for k in bus.lanes.keys:  # the archive's group before the janitor may trim
@@ -307,6 +314,8 @@ class Trainer:
             hb.start()
             try:
                 reason = await self.steps(bus, stop, lock)
+                if lock.lost:  # no final checkpoint, no prune: the run is another job's
+                    raise lock.lost_error()
                 await self.compute(self.stop_ranks)
                 clean = True
                 if reason == "max_steps":
@@ -314,6 +323,8 @@ class Trainer:
             finally:
                 await hb.stop()
                 log.info("trainer stopped at step %d", self.state.step)
+        except (FencedOut, TrainerLockLost) as e:  # stop at once; exit non-zero saying why
+            raise lost(lock, self.ledger, e) from None
         finally:
             bound_exit()  # what is left is leaving: it must not hold the node forever
             await lock.release()
@@ -370,9 +381,13 @@ class Trainer:
         return "max_steps" if self.state.step >= self.train_cfg.max_steps else "stop"
 
     def stop_ranks(self) -> None:
-        """The final checkpoint, with every rank; then the others leave `follow`."""
-        self.ranks.exchange(StepHeader(STOP, self.state.version, save=True))
-        self.checkpoint()
+        """The final checkpoint, with every rank, unless this step is already saved (a
+        last step on ``save_steps``, or no step since the resume); then the others leave
+        `follow`."""
+        save = self.ckpt.latest_step() != self.state.step
+        self.ranks.exchange(StepHeader(STOP, self.state.version, save=save))
+        if save:
+            self.checkpoint()
 
     def follow(self) -> None:
         """Ranks > 0: do what rank 0 says until it says STOP."""
@@ -410,8 +425,7 @@ class Trainer:
             "tokens_per_s": metrics["tokens"] / max(now - t0, 1e-9),
             "dropped_stale": self.counts["stale"], "duplicates": self.counts["duplicates"],
             "num_tokens": self.state.tokens_seen, **rollout_stats(groups),
-            **{f"reward/{k}": float(np.nanmean(np.concatenate(
-                [g.reward_parts[k] for g in groups]))) for k in groups[0].reward_parts},
+            **reward_part_means(groups),  # the union of the groups' parts
             **metrics}
         self.last = {k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}
         self.log_metrics(row)

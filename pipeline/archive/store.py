@@ -9,7 +9,8 @@ Layout under ``archive.path`` (default ``<output_dir>/archive``)::
 Invariants:
 
 - A file appears complete or not at all. On a local disk it is written under a temporary
-  name, flushed to disk and renamed into place; on an object store (s3://, gs://, …) it is
+  name, flushed to disk and renamed into place (the folder fsynced after the rename; a
+  failed write removes its temporary file at once); on an object store (s3://, gs://, …) it is
   one PUT of the whole object, which the store makes visible atomically. So a reader (a
   replay, ``datasets``) never sees half a file written by a live archiver, and a killed
   archiver leaves at most a temporary file, which nothing reads (``.tmp-`` names are
@@ -23,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -36,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import Config, ConfigError
+from pipeline.durable import fsync_dir
 
 GROUPS = "groups"
 DISPOSITIONS = "dispositions.parquet"
@@ -88,11 +91,17 @@ class ArchiveStore:
         if self.local:
             os.makedirs(parent, exist_ok=True)
             tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            try:  # a failed write (a full disk) leaves no temporary file behind
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            fsync_dir(Path(parent))  # the rename itself reaches the disk
             return
         self.fs.makedirs(parent, exist_ok=True)
         self.fs.pipe_file(path, data)

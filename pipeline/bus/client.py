@@ -48,7 +48,9 @@ from redis.exceptions import AuthenticationError, MovedError, ResponseError
 from pipeline.bus import scripts as lua
 from pipeline.bus.codec import FIELD
 from pipeline.bus.connection import CLIENT_OPTIONS, ClusterModeError, async_client
-from pipeline.bus.keys import GROUP_ROLE, RETIRE_REASONS, Keys
+from pipeline.bus.dlq import record as dlq_record
+from pipeline.bus.fencing import call_fenced, token_arg
+from pipeline.bus.keys import GROUP_ROLE, HEARTBEAT_ROLES, RETIRE_REASONS, Keys
 from pipeline.bus.lanes import Lanes, add_states
 from pipeline.bus.security import TLSFiles, client_options
 from pipeline.bus.transient import transient
@@ -149,13 +151,16 @@ class Bus:
         self.healthy = True
         self.reconnects = 0
         self._backlog: dict[tuple[str, str, str], str | None] = {}
-        self._retire = client.register_script(lua.RETIRE)
+        self.fence: int | None = None  # the trainer lock's generation (`pipeline.bus.fencing`)
+        self._retire = client.register_script(lua.fenced(lua.RETIRE))
         self._handoff = client.register_script(lua.HANDOFF)
-        self._dead = client.register_script(lua.DEAD_LETTER)
+        self._dead = client.register_script(lua.fenced(lua.DEAD_LETTER))
+        self._ack = client.register_script(lua.fenced(lua.ACK))
+        self._announce = client.register_script(lua.fenced(lua.ANNOUNCE))
         self._abandon = client.register_script(lua.ABANDON)
         self._skip = client.register_script(lua.SKIP)
         self._admit = client.register_script(lua.ADMIT)
-        self._set_version = client.register_script(lua.SET_VERSION)
+        self._set_version = client.register_script(lua.fenced(lua.SET_VERSION))
         self._emit = client.register_script(lua.EMIT)
         self._renew = client.register_script(lua.RENEW)
         self._takeover = client.register_script(lua.TAKEOVER)
@@ -163,6 +168,8 @@ class Bus:
         self._retire_consumer = client.register_script(lua.RETIRE_CONSUMER)
         self._prune = client.register_script(lua.PRUNE_CONSUMERS)
         self._trainer_lock = client.register_script(lua.TRAINER_LOCK)
+        self._raise_fence = client.register_script(lua.RAISE_FENCE)
+        self._release = client.register_script(lua.RELEASE_LOCK)
 
     @classmethod
     def connect(cls, url: str, run: str, *, reconnect_max_s: float = 10.0,
@@ -348,7 +355,13 @@ class Bus:
         return self.lanes.of_stream(stream).op(GROUP_ROLE[group], op)
 
     async def ack(self, stream: str, group: str, *ids: str) -> int:
-        return int(await self.r.xack(stream, group, *ids)) if ids else 0
+        """XACK; a trainer's (``fence`` set) is fenced like its retire."""
+        if not ids:
+            return 0
+        if self.fence is None:
+            return int(await self.r.xack(stream, group, *ids))
+        return int(await call_fenced(self._ack, self.lanes.of_stream(stream).state,
+                                     self.fence, [stream], [group, *ids]))
 
     async def retire(self, stream: str, group: str, ids: list[str], reason: str,
                      op: str) -> list[str]:
@@ -360,8 +373,9 @@ class Bus:
         if not ids:
             return []
         lane = self.lanes.of_stream(stream)
-        done = await self._retire(keys=[stream, lane.state, self._op(group, op, stream)],
-                                  args=[group, reason, *ids])
+        done = await call_fenced(self._retire, lane.state, self.fence,
+                                 [stream, lane.state, self._op(group, op, stream)],
+                                 [group, reason, *ids])
         return [_s(i) for i in done or []]
 
     async def handoff(self, src: str, group: str, entry_id: str, dst: str,
@@ -382,16 +396,20 @@ class Bus:
 
     async def dead_letter(self, src: str, group: str, entry: Entry, *, reason: str, role: str,
                           retire: bool, op: str) -> bool:
-        """Move an entry to the dlq with the reason, ack it, and (if it was an admitted
-        group) retire it as ``dead``; all in one script, at most once."""
-        fields: list[Any] = [b"reason", reason.encode()[:2000], b"role", role.encode(),
-                             b"src", src.encode(), b"src_id", entry.id.encode(),
-                             b"t", str(time.time()).encode()]
-        for k, v in (entry.fields or {}).items():
-            fields += [b"orig:" + k, v]
+        """Move an entry to the dlq with the reason, ack it, and count it; all in one
+        script, at most once. ``retire``: the entry decoded to a group (the caller read
+        its id from the decoded message), which retires ``dead``; otherwise it did not
+        decode, and whatever group id it claims is not believed (a forged one would make
+        ``retired`` drift): it is counted in the lane's ``state.undecodable``, apart
+        from the books (``cursor == retired + in_flight``). The dlq record is a bounded
+        summary of the entry (`pipeline.bus.dlq.record`: at most ``DLQ_MAX_BYTES`` of its
+        fields), whatever its number of fields or size."""
+        fields = dlq_record(entry.fields, reason=reason, role=role, src=src,
+                            src_id=entry.id)
         lane = self.lanes.of_stream(src)
-        done = await self._dead(keys=[src, lane.state, lane.dlq, self._op(group, op, src)],
-                                args=[group, entry.id, "1" if retire else "0", *fields])
+        done = await call_fenced(self._dead, lane.state, self.fence,
+                                 [src, lane.state, lane.dlq, self._op(group, op, src)],
+                                 [group, entry.id, "1" if retire else "0", *fields])
         return bool(done)
 
     async def trim_acked(self, stream: str, *, keep_ms: int) -> int:
@@ -523,21 +541,45 @@ class Bus:
         return bool(await self._skip(keys=[k.state, k.leases, k.op("generator", op)],
                                      args=[local, owner]))
 
-    async def trainer_lock(self, holder: str, ttl_ms: int) -> str:
-        """Take (or refresh) the run's trainer lock for ``holder``; returns the holder
-        after the call: ``holder`` itself, or the job that holds it."""
-        return _s(await self._trainer_lock(keys=[self.keys.trainer_lock],
-                                           args=[holder, ttl_ms]))
+    async def trainer_lock(self, holder: str, ttl_ms: int, token: int | None = None
+                           ) -> tuple[str, int, bool]:
+        """Acquire (``token`` None: a new generation) or refresh (``token``: the
+        generation ``holder`` holds) the run's trainer lock (`pipeline.bus.scripts.
+        TRAINER_LOCK`); returns (the holder after the call: ``holder`` itself, the job
+        that holds it, or ``""``; the generation: the fencing token,
+        `pipeline.bus.fencing`; whether this call set the lock: taken, or taken back
+        after it expired)."""
+        got, gen, taken = await self._trainer_lock(
+            keys=[self.keys.trainer_lock, self.keys.state],
+            args=[holder, ttl_ms, token_arg(token)])
+        return _s(got), int(gen), bool(taken)
+
+    async def raise_lane_fences(self, generation: int) -> None:
+        """Copy the lock's generation into every lane's ``state`` (only forward), where
+        the lanes' fenced scripts read it: the new holder does this before anything else."""
+        for key in self.lanes.state_keys():
+            await self._raise_fence(keys=[key], args=[generation])
 
     async def release_trainer_lock(self, holder: str) -> None:
-        """Drop the lock if ``holder`` has it (a clean stop frees the run at once)."""
-        if _s(await self.r.get(self.keys.trainer_lock) or b"") == holder:
-            await self.r.delete(self.keys.trainer_lock)
+        """Drop the lock if ``holder`` has it, in one compare-and-delete script (a clean
+        stop frees the run at once; never deletes another job's lock)."""
+        await self._release(keys=[self.keys.trainer_lock], args=[holder])
+
+    async def announce(self, payload: bytes, version: int, *, maxlen: int) -> str:
+        """Append a weight announcement to ``control`` and move the global
+        ``state.version`` in one fenced script, then the lanes' mirrors
+        (`set_version`); returns the entry id."""
+        entry = await call_fenced(self._announce, self.keys.state, self.fence,
+                                  [self.keys.control, self.keys.state],
+                                  [maxlen, version, FIELD, payload])
+        await self.set_version(version)
+        return _s(entry)
 
     async def set_version(self, version: int) -> bool:
         """Move ``state.version`` forward, in the global state and its mirror in every
-        lane (where the admission script reads it); True if the global one moved."""
-        moved = [bool(await self._set_version(keys=[key], args=[version]))
+        lane (where the admission script reads it); True if the global one moved.
+        Fenced: a trainer that lost its lock moves nothing."""
+        moved = [bool(await call_fenced(self._set_version, key, self.fence, [key], [version]))
                  for key in self.lanes.state_keys()]
         return moved[0]
 
@@ -579,15 +621,21 @@ class Bus:
         return lengths, views
 
     async def heartbeat(self, wid: str, info: dict[str, Any]) -> None:
+        """Write worker ``wid``'s (``role/id``) heartbeat into its role's own hash
+        (`Keys.heartbeat_key`: each role's ACL user may write only its own)."""
         info = {"pid": os.getpid(), "host": socket.gethostname(), "t": time.time(), **info}
-        await self.r.hset(self.keys.workers, wid, json.dumps(info))
+        await self.r.hset(self.keys.heartbeat_key(wid), wid, json.dumps(info))
 
     async def forget_worker(self, wid: str) -> None:
-        await self.r.hdel(self.keys.workers, wid)
+        await self.r.hdel(self.keys.heartbeat_key(wid), wid)
 
     async def workers(self) -> dict[str, dict[str, Any]]:
-        raw = await self.r.hgetall(self.keys.workers)
-        return {_s(k): json.loads(v) for k, v in raw.items()}
+        """Every role's heartbeats, merged (worker ids are unique: ``role/id``)."""
+        out: dict[str, dict[str, Any]] = {}
+        for role in HEARTBEAT_ROLES:
+            raw = await self.r.hgetall(self.keys.heartbeats(role))
+            out.update({_s(k): json.loads(v) for k, v in raw.items()})
+        return out
 
 
 def _s(v: Any) -> str:

@@ -66,6 +66,9 @@ return false
 
 DEAD_LETTER = _idempotent("""
 -- KEYS: src stream, state, dlq, op; ARGV: group, id, retire(0|1), field/value pairs...
+-- The pairs are the bounded summary of `pipeline.bus.dlq.record` (a few dozen values:
+-- `unpack` fails past ~8,000). retire 1: a decoded group, retired `dead`; 0: an entry
+-- that did not decode, counted `undecodable` and never as a retirement.
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   local fields = {}
   for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
@@ -73,6 +76,8 @@ if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   if ARGV[3] == '1' then
     redis.call('HINCRBY', KEYS[2], 'retired', 1)
     redis.call('HINCRBY', KEYS[2], 'retired:dead', 1)
+  else
+    redis.call('HINCRBY', KEYS[2], 'undecodable', 1)
   end
   return 1
 end
@@ -263,15 +268,91 @@ end
 return 0
 """
 
-TRAINER_LOCK = """
--- KEYS: lock; ARGV: holder, ttl_ms. Takes a free lock or refreshes our own; returns the
--- holder after the call (ours on success, the other job's id otherwise).
-local cur = redis.call('GET', KEYS[1])
-if (not cur) or cur == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return ARGV[1]
+FENCE_FIELD = "fence"
+"""The ``state`` field holding the trainer lock's generation (the fencing token of the
+newest holder): in the global ``state`` (incremented by `TRAINER_LOCK`) and copied into each
+lane's ``state`` by the holder on acquisition (`RAISE_FENCE`), because a lane script on a
+Redis Cluster can only read keys of its own slot."""
+
+
+def fenced(script: str) -> str:
+    """``script`` guarded by the trainer's fencing token: the caller prepends one key (a
+    ``state`` hash in the script's slot) to KEYS and one argument (its token, or ``""``
+    for a caller that is not the trainer) to ARGV; both are removed before ``script``
+    runs, so its own KEYS/ARGV numbering is unchanged. A token lower than that hash's
+    ``fence`` is refused with the error ``FENCED <fence>`` before anything (the op key
+    too) is read or written: a trainer that lost its lock to a newer holder acts on
+    nothing, and a refused call stores no result, so the audit reads it as never run."""
+    return """
+local fence_state = table.remove(KEYS, 1)
+local token = table.remove(ARGV, 1)
+if token ~= '' then
+  local fence = tonumber(redis.call('HGET', fence_state, '""" + FENCE_FIELD + """') or '0')
+  if tonumber(token) < fence then return redis.error_reply('FENCED ' .. fence) end
 end
-return cur
+""" + script
+
+
+ACK = """
+-- KEYS: stream; ARGV: group, id... XACK as a script, so that it can be `fenced`.
+return redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+"""
+
+ANNOUNCE = """
+-- KEYS: control, state; ARGV: maxlen, version, field, payload. Appends the announcement
+-- and moves state.version forward in one step (`fenced`: a trainer that lost its lock
+-- announces nothing, not even an entry without its version). Returns the entry id.
+local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', ARGV[3], ARGV[4])
+local v = tonumber(redis.call('HGET', KEYS[2], 'version') or '-1')
+if tonumber(ARGV[2]) > v then redis.call('HSET', KEYS[2], 'version', ARGV[2]) end
+return id
+"""
+
+TRAINER_LOCK = """
+-- KEYS: lock, state; ARGV: holder, ttl_ms, token (the generation the caller holds, ''
+-- to acquire). Returns {holder after the call ('' if none), generation, 1 if this call
+-- SET the lock else 0}. The generation is state.fence: the newest holder's fencing
+-- token; every trainer write (`fenced`) is refused once a newer one exists.
+-- Acquire (token ''): a lock that is free or already the caller's (a job restarted
+-- under the same id) is taken with a NEW generation (HINCRBY), so that no process of
+-- an earlier holder, even one with the same id, can write any more.
+-- Refresh (token set): a newer generation exists -> the caller lost; nothing is
+-- touched (a lost holder never takes the lock or a generation back, which would fence
+-- out the live holder). Else the caller's own lock is extended, or, expired (a stall or
+-- an outage longer than the TTL) and not taken since, set again with the SAME
+-- generation. A fence below the token (Redis lost its data) is moved back up to it:
+-- the fence only moves forward.
+local fence = tonumber(redis.call('HGET', KEYS[2], '""" + FENCE_FIELD + """') or '0')
+local cur = redis.call('GET', KEYS[1])
+if ARGV[3] == '' then
+  if cur and cur ~= ARGV[1] then return {cur, fence, 0} end
+  fence = redis.call('HINCRBY', KEYS[2], '""" + FENCE_FIELD + """', 1)
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return {ARGV[1], fence, 1}
+end
+local token = tonumber(ARGV[3])
+if token < fence or (cur and cur ~= ARGV[1]) then return {cur or '', fence, 0} end
+if token > fence then redis.call('HSET', KEYS[2], '""" + FENCE_FIELD + """', ARGV[3]) end
+if cur then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {ARGV[1], token, 0}
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {ARGV[1], token, 1}
+"""
+
+RAISE_FENCE = """
+-- KEYS: state; ARGV: generation. A lane's copy of the fence only moves forward.
+local f = tonumber(redis.call('HGET', KEYS[1], '""" + FENCE_FIELD + """') or '0')
+if tonumber(ARGV[1]) > f then redis.call('HSET', KEYS[1], '""" + FENCE_FIELD + """', ARGV[1]) end
+return math.max(f, tonumber(ARGV[1]))
+"""
+
+RELEASE_LOCK = """
+-- KEYS: lock; ARGV: holder. Deletes the lock only if `holder` has it (compare and
+-- delete in one step: a GET then DEL could delete the lock another job took between).
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 

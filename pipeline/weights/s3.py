@@ -143,6 +143,7 @@ class S3WeightStore(WeightStore):
         transfer = TransferConfig(multipart_threshold=64 * 2**20, multipart_chunksize=64 * 2**20)
         digests: dict[str, str] = {}
         sizes: dict[str, int] = {}
+        self._check()  # the trainer lock's fence (`WeightStore.guard`)
         with s3_errors(what):
             self._delete_version(key)  # a re-publish: the old manifest goes first
             try:
@@ -153,6 +154,7 @@ class S3WeightStore(WeightStore):
                 manifest = json.dumps({"version": version, "step": step, "format": fmt,
                                        "files": digests, "bytes": sizes},
                                       indent=1, sort_keys=True).encode()
+                self._check()  # the manifest is the commit point
                 self.client.put_object(Bucket=self.bucket, Key=key + MANIFEST, Body=manifest)
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -162,6 +164,10 @@ class S3WeightStore(WeightStore):
         return WeightsPublished(version=version, step=step, uri=self.uri_for(version),
                                 format=fmt, sha256=table_sha256(digests),
                                 nbytes=sum(sizes.values()), t=time.time())
+
+    def clean_temp(self) -> list[Path]:
+        """Nothing: the local folder is a download cache other processes share."""
+        return []
 
     def published(self) -> list[int]:
         """The version numbers that have objects under the prefix (complete or not)."""

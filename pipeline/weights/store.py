@@ -15,7 +15,13 @@ one line ``<sha256 hex>  <name>\\n`` per file, sorted by name, UTF-8 — exactly
 ``cd v<N> && sha256sum $(ls | grep -v manifest.json) | sha256sum`` reproduces it.
 
 Writing (`WeightStore.commit`) hashes each file's bytes as they are written; nothing is
-read back. Verifying (`WeightStore.verify`) streams every listed file through sha256.
+read back. A version is written into ``.tmp-v<N>-<pid>/``, every file and the folder
+fsynced, renamed to ``v<N>`` (the commit point) and the parent fsynced
+(`pipeline.durable.commit_dir`); a failed write removes its temporary folder, and the
+trainer removes those a crashed writer left when it takes the lock (`clean_temp`).
+``guard`` (set by the trainer: its lock's fence) is called before a version is written,
+before its rename and before pruning, and refuses a trainer that lost its lock.
+Verifying (`WeightStore.verify`) streams every listed file through sha256.
 This class is a directory store (local disk or a shared filesystem);
 `pipeline.weights.s3.S3WeightStore` keeps the same layout as objects in a bucket.
 
@@ -31,12 +37,13 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from pipeline.bus.schema import WeightsPublished
+from pipeline.durable import commit_dir, remove_dir, remove_temp, test_pause
 
 MANIFEST = "manifest.json"
 INDEX = "model.safetensors.index.json"  # HF's name; vLLM and transformers read it
@@ -106,6 +113,16 @@ class WeightStore:
     def __init__(self, root: str | Path, *, keep: int = 4) -> None:
         self.root = Path(root).resolve()
         self.keep = keep
+        self.guard: Callable[[], None] | None = None  # the trainer lock's fence
+
+    def _check(self) -> None:
+        if self.guard is not None:
+            self.guard()
+
+    def clean_temp(self) -> list[Path]:
+        """Remove the temporary folders crashed writers left (any PID: one trainer, the
+        lock's holder, writes the store)."""
+        return remove_temp(self.root)
 
     def dir_for(self, version: int) -> Path:
         return self.root / f"v{version:08d}"
@@ -126,41 +143,47 @@ class WeightStore:
         ``v<version>/`` atomically: each is hashed as written, then the manifest, then
         the temporary directory is renamed into place and old versions are pruned
         (`prune`, with ``keep_from``)."""
+        self._check()
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.dir_for(version)
         tmp = self.root / f".tmp-v{version:08d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
         digests: dict[str, str] = {}
         sizes: dict[str, int] = {}
         try:
+            tmp.mkdir()
             for name, data in tallied(files, digests, sizes):
                 with open(tmp / name, "wb") as f:
                     f.write(data)
                 del data
+                test_pause()
             (tmp / MANIFEST).write_text(json.dumps(
                 {"version": version, "step": step, "format": fmt, "files": digests,
                  "bytes": sizes}, indent=1, sort_keys=True))
-            if final.exists():  # a re-publish of the same version (e.g. after a restart)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            self._check()
+            # a re-publish of the same version (e.g. after a restart) replaces it only
+            # once the new copy is durable
+            commit_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        self._check()
         self.prune(version, keep_from)
         nbytes = sum(sizes.values())
         return WeightsPublished(version=version, step=step, uri=final.as_uri(), format=fmt,
                                 sha256=table_sha256(digests), nbytes=nbytes, t=time.time())
 
     def prune(self, newest: int, keep_from: int | None = None) -> None:
-        """Remove versions older than ``newest - keep`` (and than ``keep_from``)."""
+        """Remove versions older than ``newest - keep`` (and than ``keep_from``), each
+        renamed away before it is deleted (`pipeline.durable.remove_dir`): a kill -9 in
+        the middle never leaves a ``v<N>`` folder with some of its files."""
         for d in self.root.glob("v*"):
             try:
                 v = int(d.name[1:])
             except ValueError:
                 continue
             if expired(v, newest, self.keep, keep_from):
-                shutil.rmtree(d, ignore_errors=True)
+                remove_dir(d)  # never a half version under its name
 
     # ------------------------------------------------------------------ reading
     def path_of(self, uri: str) -> Path:
