@@ -153,7 +153,7 @@ def run_phase(out: Path, model: Path, url: str, *, churn: bool, seconds: float,
     r = (redis.RedisCluster if cluster else redis.Redis).from_url(url, socket_timeout=10)
     try:
         fleet.start("train", "trainer-0")
-        wait(lambda: r.hget(keys.workers, "trainer/trainer-0"), 300, "the trainer")
+        wait(lambda: r.hget(keys.heartbeats("trainer"), "trainer/trainer-0"), 300, "the trainer")
         for role in ("generate", "generate", "score", "score"):
             fleet.start(role)
         wait(lambda: state(r, lanes).get("retired:trained", 0) > 0, 300, "a trained step")
@@ -167,7 +167,8 @@ def run_phase(out: Path, model: Path, url: str, *, churn: bool, seconds: float,
                 next_event = time.time() + rng.uniform(*every)
             time.sleep(0.1)
         t1, trained1 = time.time(), state(r, lanes).get("retired:trained", 0)
-        steps = json.loads(r.hget(keys.workers, "trainer/trainer-0") or b"{}").get("step")
+        beat = r.hget(keys.heartbeats("trainer"), "trainer/trainer-0")
+        steps = json.loads(beat or b"{}").get("step")
         codes = fleet.stop_all()
     finally:
         for _, p in fleet.procs.values():

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from pipeline.bus.keys import RUN_NAME_PATTERN
 from pipeline.evaluation import metric_names, parse_target
 
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
@@ -35,13 +36,19 @@ OPTIONAL_IMPORT_PATH = r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
 class _Section(BaseModel):
+    """Every section: unknown keys are errors, and no float anywhere may be ``inf``,
+    ``-inf`` or ``nan`` (TOML spells all three, and ``gt=0`` lets ``inf`` through: an
+    infinite timeout or learning rate is never meant). A field that needs "no limit" uses
+    0, documented on the field."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True,
-                              use_attribute_docstrings=True)
+                              use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
-    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    """Run namespace: every Redis key is ``sluice:{name}:…``."""
+    name: str = Field("run", pattern=RUN_NAME_PATTERN)
+    """Run namespace: every Redis key is ``sluice:{name}:…``. Letters, digits, ``_``,
+    ``.``, ``-``, not starting with ``.`` or ``-`` (it also names files and folders)."""
     output_dir: str = "runs/run"
     """Checkpoints, weights, metrics, logs and the embedded Redis live here."""
     seed: int = Field(0, ge=0)
@@ -233,6 +240,9 @@ class VLLMConfig(_Section):
     start one after another."""
     python: str = ".venv-vllm/bin/python"
     """Interpreter of the environment vLLM servers run from (`deploy/setup.sh --vllm`)."""
+    api_key_file: str = Field("", max_length=4096)
+    """File holding the vLLM servers' bearer key, sent on every request; empty: env
+    VLLM_API_KEY, else none (`sluice up` keys the servers it starts: docs/security.md)."""
     max_model_len: int = Field(512, ge=16)
     """--max-model-len of launched servers (prompt + completion tokens)."""
     kv_cache_memory_bytes: int = Field(64 * 2**20, ge=2**20)
@@ -370,7 +380,8 @@ class ScoringConfig(_Section):
     """Added to the std before dividing (TRL: 1e-4)."""
     reward_timeout_s: float = Field(30.0, gt=0)
     """Per call of a reward function; one call covers every completion of one scorer read
-    (on failure, one call per group), and one probes it at start."""
+    (on failure, one call per group), and one probes it at start. The scorer runs its
+    rewards in a child process and kills and restarts it when a call outlives this."""
     read_count: int = Field(8, ge=1)
     """Groups a scorer reads per XREADGROUP."""
     advantages: str = Field("", pattern=OPTIONAL_IMPORT_PATH)

@@ -9,9 +9,10 @@ copy of the keys the delivery scripts touch together — ``rollouts``, ``scored`
 ``state`` (cursor and retirement counters, and a mirror of the weight version), ``leases``
 and the op keys — under its own hash tag, so every script still touches one slot while
 Redis Cluster spreads the lanes over its masters. What stays global, under ``{run}``: the
-weight version and the partition count (``state``), ``control``, ``workers`` and the
-trainer lock, all written by one role or by plain commands. With P = 1 the one lane *is*
-``{run}``: the keys of a run are the same as before partitions existed.
+weight version and the partition count (``state``), ``control``, the heartbeats
+(``workers:<role>``) and the trainer lock, all written by one role or by plain commands.
+With P = 1 the one lane *is* ``{run}``: the keys of a run are the same as before
+partitions existed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from dataclasses import dataclass
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+RUN_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
+"""A run name (``run.name``): 1-64 letters, digits, ``_``, ``.``, ``-``, not starting with
+``.`` or ``-``. It becomes part of Redis keys and of file and folder names (tracker runs,
+deploy renders), so it can never be ``.``/``..``, hold a ``/``, be hidden or look like a
+command-line option. `pipeline.config.RunConfig` uses this same pattern."""
+_RUN_NAME = re.compile(RUN_NAME_PATTERN)
 
 SCORERS_GROUP = "scorers"
 TRAINERS_GROUP = "trainers"
@@ -34,6 +40,10 @@ OP_ROLES = ("generator", "scorer", "trainer")
 """The roles that run idempotent scripts, each in its own op namespace (`Keys.op`): the
 ACL (deploy/redis/users.acl) lets each role's user read and write only its own, so a
 compromised role cannot plant a stored result that makes another role's call look done."""
+
+HEARTBEAT_ROLES = ("generator", "scorer", "trainer", "evaluator", "archiver")
+"""The roles that heartbeat, each into its own hash (`Keys.heartbeats`), writable only by
+that role's ACL user; readers (`Bus.workers`) merge them."""
 
 GROUP_ROLE = {SCORERS_GROUP: "scorer", TRAINERS_GROUP: "trainer"}
 """The role that consumes for each consumer group: it owns the op keys of the scripts that
@@ -82,7 +92,8 @@ class Keys:
     def __post_init__(self) -> None:
         if not _RUN_NAME.fullmatch(self.run):
             raise ValueError(
-                f"run name {self.run!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
+                f"run name {self.run!r} must be 1-64 characters of letters, digits, '_', '.', "
+                "'-', not starting with '.' or '-'"
             )
         if self.tag == self.run:  # the run's own tag: the same keys, equal to Keys(run)
             object.__setattr__(self, "tag", "")
@@ -119,9 +130,18 @@ class Keys:
     def state(self) -> str:
         return f"{self.prefix}:state"
 
-    @property
-    def workers(self) -> str:
-        return f"{self.prefix}:workers"
+    def heartbeats(self, role: str) -> str:
+        """Hash ``role/id`` -> JSON heartbeat of the workers of one role (one of
+        `HEARTBEAT_ROLES`): ``…:workers:<role>``. One key per role so that each ACL user
+        may write only its own role's heartbeats (a compromised scorer cannot fake or
+        erase the trainer's, which `sluice up` and `sluice status` act on)."""
+        if role not in HEARTBEAT_ROLES:
+            raise ValueError(f"heartbeats belong to one of {HEARTBEAT_ROLES}, not {role!r}")
+        return f"{self.prefix}:workers:{role}"
+
+    def heartbeat_key(self, wid: str) -> str:
+        """The heartbeat hash of worker ``wid`` (``role/id``, `pipeline.bus.client.worker_id`)."""
+        return self.heartbeats(wid.partition("/")[0])
 
     @property
     def leases(self) -> str:

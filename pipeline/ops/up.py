@@ -39,19 +39,23 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bus import control
-from pipeline.bus.security import COMMAND_ROLES, env_for_role
+from pipeline.bus.security import COMMAND_ROLES
 from pipeline.config import Config, ConfigError
 from pipeline.evaluation import parse_target
 from pipeline.ops.embedded import EmbeddedRedis
+from pipeline.ops.hang_report import hang_report
 from pipeline.ops.monitor import snapshot
 from pipeline.ops.restarts import RestartPolicy
 from pipeline.ops.samples import ScorerSamples
+from pipeline.ops.up_credentials import role_credentials_override, role_env
 from pipeline.ops.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
 from pipeline.ports import free_port
 from pipeline.runtime import STACKS_SIGNAL, connect, log_tail, redis_options
 from workers.engines.vllm_server import LocalServer, ServerSpec, launch
 
 STACKS_WAIT_S = 2.0  # for a role to write its stacks before it is killed
+TAIL_REACH_LINES = 800  # how far a failure report reaches back for a dump's start: its
+# Python stacks and the hang report (native stacks capped at NATIVE_MAX_LINES) together
 EXIT_AFTER_FINISH_S = 60.0
 """How long the supervisor waits for the trainer to exit once it has announced the end
 of the run (after its final checkpoint: only closing connections, the ledger and the
@@ -72,8 +76,10 @@ class Child:
     restart_at: float | None = None  # crashed: restart at this time (time.time())
 
     def tail(self, n: int = 30) -> str:
+        """The end of the role's log, from the start of its last stack dump or hang
+        report (`record_hang`) when it ends inside one."""
         try:
-            return log_tail(self.log.read_text(errors="replace"), n)
+            return log_tail(self.log.read_text(errors="replace"), n, most=TAIL_REACH_LINES)
         except OSError:
             return ""
 
@@ -106,12 +112,15 @@ class Supervisor:
         # its own /metrics port (up.metrics), fresh on every start: a restarted role never
         # waits for its old port, and one taken since `free_port` fails only that start
         port = free_port() if self.cfg.up.metrics else 0
-        for o in [*self.overrides, f"bus.redis_url={self.cfg.redis_url}", f"metrics.port={port}"]:
+        # each child logs in as its own role (pipeline.bus.security): it is pointed at a file
+        # of its own role's credentials only, and inherits no other role's password or the
+        # every-role credentials file from the environment (pipeline.ops.up_credentials)
+        own = role_credentials_override(self.cfg, COMMAND_ROLES[role])
+        for o in [*self.overrides, f"bus.redis_url={self.cfg.redis_url}", f"metrics.port={port}",
+                  *own]:
             args += ["--set", o]
         args += ["--name", name, *(extra or [])]
-        # each child logs in as its own role (pipeline.bus.security): it reads its own entry of
-        # the credentials file, and inherits no other role's password from the environment
-        env = {**env_for_role(os.environ, COMMAND_ROLES[role]),
+        env = {**role_env(os.environ, COMMAND_ROLES[role]),
                "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                "PYTHONUNBUFFERED": "1"}
@@ -179,7 +188,7 @@ class Supervisor:
 
         client = sync_client(self.cfg.redis_url, cluster=self.cfg.bus.cluster,
                              **redis_options(self.cfg, "monitor"))
-        key = Keys(self.cfg.run.name).workers
+        key = Keys(self.cfg.run.name).heartbeats("trainer")
         deadline = time.time() + timeout_s
         trainer = self.children[0]
         spawned = trainer.spawned
@@ -201,8 +210,9 @@ class Supervisor:
 
     def terminate(self, grace_s: float = 20.0) -> None:
         """SIGTERM every running child; one still running ``grace_s`` later is asked for
-        its threads' stacks (`pipeline.runtime.STACKS_SIGNAL`, into its log, where the
-        failure report's tail shows them) and then killed."""
+        its threads' stacks (`pipeline.runtime.STACKS_SIGNAL`, into its log), gets what
+        ``/proc`` and a native-stack tool say of its threads appended to its log
+        (`record_hang`), and is then killed; the failure report's tail shows both."""
         for ch in self.children:
             if ch.proc.poll() is None:
                 stop_gracefully(ch.proc)
@@ -216,8 +226,24 @@ class Supervisor:
                 signal_role(ch.proc, STACKS_SIGNAL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     ch.proc.wait(STACKS_WAIT_S)  # the dump itself never exits the role
+                if ch.proc.poll() is None:
+                    record_hang(ch)
                 ch.proc.kill()
                 ch.proc.wait()
+
+
+def record_hang(ch: Child) -> None:
+    """Append `pipeline.ops.hang_report.hang_report` of a straggler (each rank of a
+    torchrun job too) to its log, while it still hangs: thread names, states, kernel
+    waits and system calls, and native stacks where a tool can attach (bounded). Best
+    effort: a report that cannot be written is skipped, the kill goes on."""
+    try:
+        with open(ch.log, "a", errors="replace") as f:
+            for pid in dict.fromkeys([ch.proc.pid, *role_pids(ch.proc)]):
+                f.write("\n" + hang_report(pid) + "\n")
+    except OSError as e:
+        print(f"{ch.name}: could not write its hang report to {ch.log}: {e}",
+              file=sys.stderr)
 
 
 def child_pids(pid: int) -> list[int]:
@@ -245,11 +271,15 @@ def signal_role(proc: subprocess.Popen[bytes], sig: signal.Signals | None) -> No
     """Send ``sig`` to a role's process, or to each rank of a torchrun job."""
     if sig is None:
         return
-    is_job = "torch.distributed.run" in " ".join(map(str, proc.args))  # type: ignore[arg-type]
-    ranks = child_pids(proc.pid) if is_job else []
-    for pid in ranks or [proc.pid]:
+    for pid in role_pids(proc):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+
+
+def role_pids(proc: subprocess.Popen[bytes]) -> list[int]:
+    """The process a role runs in: its own, or each rank's of a torchrun job."""
+    is_job = "torch.distributed.run" in " ".join(map(str, proc.args))  # type: ignore[arg-type]
+    return (child_pids(proc.pid) if is_job else []) or [proc.pid]
 
 
 def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
@@ -401,6 +431,7 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
     if cfg.generation.engine == "vllm" and cfg.generation.vllm.launch:
         try:  # where each server runs: a machine that cannot host them fails before any start
             specs = vllm_specs(cfg)
+            os.environ["VLLM_API_KEY"] = specs[0].api_key or ""  # the roles reach them
         except ConfigError as e:
             print(f"sluice: {e}", file=sys.stderr)
             return 2

@@ -31,6 +31,12 @@ from pipeline.bus.client import Bus
 from pipeline.bus.transient import lost_connection, transient
 from pipeline.ops.embedded import EmbeddedCluster, EmbeddedRedis
 
+
+def _hash(bus: Bus) -> str:
+    """A hash key of the run (the trainer's heartbeats) these tests write and read."""
+    return bus.keys.heartbeats("trainer")
+
+
 LOOPS = ["asyncio", "uvloop"]
 WORKERS = 8
 RACE_BOUND_S = 90.0  # generous: 200 failures take seconds on a 2-core machine
@@ -56,7 +62,7 @@ def test_bus_retries_ride_out_the_cluster_client_closing_connections_in_use(
 
         async def write(i: int, n: int) -> None:
             try:
-                await bus.r.hset(bus.keys.workers, f"w{i}", n)
+                await bus.r.hset(_hash(bus), f"w{i}", n)
             except Exception as e:
                 seen["unclassified" if lost_connection(e) else type(e).__name__] += 1
                 raise
@@ -76,7 +82,7 @@ def test_bus_retries_ride_out_the_cluster_client_closing_connections_in_use(
 
         try:
             await asyncio.gather(closer(), *(worker(i) for i in range(WORKERS)))
-            final = await bus.retrying(lambda: bus.r.hgetall(bus.keys.workers), "read back")
+            final = await bus.retrying(lambda: bus.r.hgetall(_hash(bus)), "read back")
         finally:
             await bus.close()
         return seen, written, final
@@ -102,13 +108,13 @@ def test_bus_retries_ride_out_a_socket_closed_under_an_idle_connection(
 
         async def write() -> None:
             try:
-                await bus.r.hset(bus.keys.workers, "w", 1)
+                await bus.r.hset(_hash(bus), "w", 1)
             except Exception as e:
                 failures.append(e)
                 raise
 
         try:
-            await bus.retrying(lambda: bus.r.hset(bus.keys.workers, "w", 0), "warm up")
+            await bus.retrying(lambda: bus.r.hset(_hash(bus), "w", 0), "warm up")
             closed = 0
             for node in bus.r.get_nodes():
                 for conn in node._free:  # idle, and connected as far as redis-py knows
@@ -116,7 +122,7 @@ def test_bus_retries_ride_out_a_socket_closed_under_an_idle_connection(
                         conn._writer.transport.close()
                         closed += 1
             await bus.retrying(write, "a test write")
-            final = await bus.retrying(lambda: bus.r.hgetall(bus.keys.workers), "read back")
+            final = await bus.retrying(lambda: bus.r.hgetall(_hash(bus)), "read back")
         finally:
             await bus.close()
         return closed, failures, final
@@ -142,7 +148,7 @@ def test_a_bug_in_sluices_code_or_arguments_is_raised_not_waited_out(
         out = []
         try:
             for op in (_our_attribute_error, _our_runtime_error,
-                       lambda: bus.r.hset(bus.keys.workers)):  # no field: redis-py refuses
+                       lambda: bus.r.hset(_hash(bus))):  # no field: redis-py refuses
                 calls = 0
 
                 async def counted(op: Callable[[], Awaitable[Any]] = op) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.bus.keys import Keys
+from pipeline.bus.keys import HEARTBEAT_ROLES, Keys
 from tests.helpers import (
     ROOT,
     metric_value,
@@ -42,7 +42,7 @@ def test_every_role_serves_metrics_that_move_during_a_run(tmp_path: Path) -> Non
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     up = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
-    workers_key = Keys("metrics").workers
+    workers_keys = [Keys("metrics").heartbeats(r) for r in HEARTBEAT_ROLES]
     client = None
     try:
         def served() -> dict[str, Any] | None:
@@ -54,7 +54,7 @@ def test_every_role_serves_metrics_that_move_during_a_run(tmp_path: Path) -> Non
             if client is None:
                 return None
             try:
-                raw = client.hgetall(workers_key)
+                raw = {k: v for key in workers_keys for k, v in client.hgetall(key).items()}
             except redis.ConnectionError:
                 return None
             live = {k.decode(): json.loads(v) for k, v in raw.items()}

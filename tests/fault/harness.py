@@ -238,7 +238,7 @@ class Pipeline:
         return out
 
     def worker(self, prefix: str) -> dict[str, Any]:
-        for wid, raw in self.r.hgetall(self.keys.workers).items():
+        for wid, raw in self.r.hgetall(self.keys.heartbeat_key(prefix)).items():
             if wid.decode().startswith(prefix):
                 return dict(json.loads(raw))
         return {}
@@ -319,7 +319,7 @@ class Pipeline:
         wids = {n: f"{ROLE_PREFIX[self.roles[n]]}/{n}" for n in names}
 
         def started(n: str) -> float:
-            raw = self.r.hget(self.keys.workers, wids[n])
+            raw = self.r.hget(self.keys.heartbeat_key(wids[n]), wids[n])
             return float(json.loads(raw).get("started", 0)) if raw else 0.0
 
         self.wait(lambda: all(started(n) >= t for n, t in names.items()), timeout_s,

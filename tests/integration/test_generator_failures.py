@@ -108,7 +108,7 @@ urls = ["http://127.0.0.1:{free_port()}"]
     gen = spawn_role("generate", cfg, name="g0", log=tmp_path / "gen.log")
     try:
         def beat() -> dict[str, Any]:
-            raw = r.hget(keys.workers, "generator/g0")
+            raw = r.hget(keys.heartbeats("generator"), "generator/g0")
             return json.loads(raw) if raw else {}
 
         def log() -> str:
@@ -129,3 +129,72 @@ urls = ["http://127.0.0.1:{free_port()}"]
     assert state["retired:dead"] == 2 and state["retired"] == 2
     reasons = [f[b"reason"].decode() for _i, f in r.xrange(keys.dlq)]
     assert len(reasons) == 2 and all("no vLLM server" in x for x in reasons), reasons
+
+
+class BadValueEngine(FlakyEngine):
+    """Independent requests; the second prompt's completions carry a value the scorer's
+    decoder rejects: a NaN logprob, or a token id outside the model's vocabulary."""
+
+    def __init__(self, bad: str) -> None:
+        super().__init__()
+        self.bad = bad
+
+    async def generate(self, prompts: list[list[int]], n: int,
+                       params: SamplingParams) -> list[list[Completion]]:
+        self.calls += 1
+        ids = np.array([5, 6, 1], dtype=np.int32)
+        lp = np.full(3, -1.0, np.float32)
+        if self.calls == 2 and self.bad == "nan_logprob":
+            lp[1] = np.nan
+        if self.calls == 2 and self.bad == "token_outside_vocab":
+            ids = np.array([5, 1 << 30, 1], dtype=np.int32)
+        return [[Completion(ids, lp, np.zeros(3, np.int32), "stop") for _ in range(n)]
+                for _ in prompts]
+
+
+@pytest.mark.parametrize("bad", ["nan_logprob", "token_outside_vocab"])
+def test_group_its_consumer_would_reject_is_abandoned_dead_not_emitted(
+        redis_server: EmbeddedRedis, run_name: str, tiny_model_dir: Path,
+        tmp_path: Path, bad: str) -> None:
+    """An honest generator whose engine yields a value the scorer's decoder rejects does
+    not append it (the scorer would dead-letter it as undecodable, which retires nothing,
+    and the group would hold a window slot for good): it abandons the group through the
+    lease-checked ABANDON script, retired ``dead`` with the decoder's reason. The books
+    balance with nothing of it left in flight, and every appended entry decodes with the
+    limits the scorer uses."""
+    from pipeline.bus.keys import SCORERS_GROUP
+    from pipeline.ops.monitor import snapshot
+    from pipeline.runtime import limits
+
+    cfg = load_config(None, [f"run.name={run_name}", f"run.output_dir={tmp_path}",
+                             f"bus.redis_url={redis_server.url}",
+                             f"model.path={tiny_model_dir}", "model.init=''",
+                             "generation.num_generations=4"])
+    gen = Generator(cfg, "g0")
+    gen.engine = BadValueEngine(bad)  # type: ignore[assignment]
+
+    async def go() -> tuple[dict[str, Any], list[Any], list[Any]]:
+        bus = Bus.connect(cfg.redis_url, run_name)
+        try:
+            await bus.ensure_group(bus.keys.rollouts, SCORERS_GROUP)  # its lag is in flight
+            cursors = [c for c in [await bus.admit(16, gen.wid) for _ in range(3)]
+                       if c is not None]
+            await gen.generate_batch(bus, cursors)
+            snap = await snapshot(bus)
+            entries = [f for _i, f in await bus.r.xrange(bus.keys.rollouts)]
+            return snap, entries, await bus.r.xrange(bus.keys.dlq)
+        finally:
+            await bus.close()
+
+    snap, entries, dlq = arun(go())
+    rollouts = [decode_entry(f, limits(cfg), expect=RolloutGroup) for f in entries]
+    assert len(rollouts) == 2, [g.group_id for g in rollouts]
+    c = snap["conservation"]
+    assert c["by_reason"]["dead"] == 1 and c["retired"] == 1 and c["generating"] == 0
+    assert c["cursor"] == 3 and c["in_flight"] == 2 and c["balanced"], c
+    (_id, fields), = dlq
+    reason = fields[b"reason"].decode()
+    want = "NaN" if bad == "nan_logprob" else "outside"
+    assert reason.startswith("invalid group") and want in reason, reason
+    assert fields[b"group_id"].decode() not in {g.group_id for g in rollouts}
+    assert gen.info()["dead_groups"] == 1

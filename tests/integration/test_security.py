@@ -137,7 +137,8 @@ def test_default_user_and_wrong_passwords_are_refused(acl: AclServer,
 
 K = Keys(RUN)
 OTHER = Keys("someoneelse")
-R, S, C, D, ST, W, L = K.rollouts, K.scored, K.control, K.dlq, K.state, K.workers, K.leases
+R, S, C, D, ST, L = K.rollouts, K.scored, K.control, K.dlq, K.state, K.leases
+W = K.heartbeats("generator")
 
 # (role, command, allowed): allowed = not refused by the ACL (the command may still fail
 # for another reason, e.g. BUSYGROUP). Each role's allowed list is what its code runs.
@@ -205,7 +206,8 @@ CASES: list[tuple[str, tuple[Any, ...], bool]] = [
     ("trainer", ("HSET", L, "0", "t|1"), False),
     # evaluator: follows control, heartbeats
     ("evaluator", ("XREVRANGE", C, "+", "-", "COUNT", 1), True),
-    ("evaluator", ("HSET", W, "evaluator/x", "{}"), True),
+    ("evaluator", ("HSET", K.heartbeats("evaluator"), "evaluator/x", "{}"), True),
+    ("evaluator", ("HSET", W, "generator/x", "{}"), False),
     ("evaluator", ("XADD", C, "*", "m", "x"), False),
     ("evaluator", ("HGETALL", ST), False),
     ("evaluator", ("XRANGE", S, "-", "+"), False),

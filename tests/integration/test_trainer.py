@@ -13,7 +13,7 @@ from pipeline.bus import control
 from pipeline.bus.client import Bus
 from pipeline.bus.codec import encode
 from pipeline.bus.keys import TRAINERS_GROUP
-from pipeline.bus.schema import ScoredGroup
+from pipeline.bus.schema import ScoredGroup, WeightsPublished
 from pipeline.config import Config, load_config
 from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.ops.monitor import snapshot
@@ -50,7 +50,12 @@ def test_trainer_drops_stale_dedups_trains_acks_publishes_and_resumes(
         bus = Bus.connect(cfg.redis_url, run_name)
         k = bus.keys
         await bus.ensure_group(k.scored, TRAINERS_GROUP)
-        await bus.set_version(3)  # the bus has seen version 3 (e.g. an earlier trainer)
+        # the bus has seen version 3, announced by an earlier trainer (a version on `state`
+        # that no announcement backs is not trusted: pipeline.bus.version_check)
+        await control.announce(bus, WeightsPublished(version=3, step=0, uri="file:///x",
+                                                     format="safetensors", sha256="0" * 64,
+                                                     nbytes=0,
+                                                     t=0.0))
         for c in [await bus.admit(100, "g") for _ in range(4)]:
             # admitted groups now live in rollouts...
             await bus.emit(b"placeholder", cursor=c, owner="g")

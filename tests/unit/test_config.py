@@ -252,3 +252,82 @@ def test_every_example_config_loads() -> None:
     assert len(examples) >= 4
     for path in examples:
         load_config(path)  # a key renamed or removed fails here, naming the key
+
+
+# ---------------------------------------------------------------- finite floats, run names
+
+
+def _float_keys() -> list[tuple[str, str]]:
+    """Every float-typed key of Config (scalars, optionals, tuples; optional sections and
+    the reward list included), with a TOML value that puts ``{x}`` into each float slot."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    out: list[tuple[str, str]] = []
+
+    def members(ann: object) -> list[object]:
+        origin = typing.get_origin(ann)
+        if origin in (typing.Union, types.UnionType):
+            return [a for a in typing.get_args(ann) if a is not type(None)]
+        return [ann]
+
+    def walk(prefix: str, model: type[BaseModel]) -> None:
+        for key, info in model.model_fields.items():
+            for ann in members(info.annotation):
+                origin, args = typing.get_origin(ann), typing.get_args(ann)
+                if isinstance(ann, type) and issubclass(ann, BaseModel):
+                    walk(f"{prefix}{key}.", ann)
+                elif origin is list and isinstance(args[0], type) and issubclass(
+                        args[0], BaseModel):
+                    walk(f"{prefix}{key}[].", args[0])
+                elif ann is float:
+                    out.append((f"{prefix}{key}", "{x}"))
+                elif origin is tuple and float in args:
+                    out.append((f"{prefix}{key}", "[" + ", ".join("{x}" for _ in args) + "]"))
+
+    walk("", Config)
+    return out
+
+
+FLOAT_KEYS = _float_keys()
+
+
+def test_float_keys_are_found() -> None:
+    keys = {k for k, _ in FLOAT_KEYS}
+    assert {"trainer.lr", "scoring.reward_timeout_s", "trainer.adam_betas", "model.lora.alpha",
+            "scoring.rewards[].weight", "eval.rewards[].weight", "eval.pass_threshold"} <= keys
+    assert len(keys) > 30
+
+
+@pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize(("key", "shape"), FLOAT_KEYS, ids=[k for k, _ in FLOAT_KEYS])
+def test_every_float_key_refuses_inf_and_nan_naming_the_key(key: str, shape: str, bad: str
+                                                            ) -> None:
+    if "[]." in key:  # a key of a list of tables (rewards: `fn` is required)
+        table, field = key.split("[].")
+        override = f"{table}=[{{ fn = 'a.b:c', {field} = {bad} }}]"
+        key = f"{table}.0.{field}"
+    else:
+        override = f"{key}={shape.format(x=bad)}"
+    with pytest.raises(ConfigError, match=re.escape(key) + r"(\.\d)?: .*finite"):
+        load_config(None, [override])
+
+
+def test_inf_in_a_toml_file_is_refused_naming_the_key(tmp_path: Path) -> None:
+    p = _write(tmp_path, "[scoring]\nreward_timeout_s = inf\n")
+    with pytest.raises(ConfigError, match=r"scoring\.reward_timeout_s: .*finite"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../x", "a/b", "/abs", ".hidden", "-rf",
+                                  "a\\b", "x/../y"])
+def test_run_name_that_could_escape_a_directory_is_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"run\.name"):
+        load_config(None, [f"run.name={name!r}"])
+
+
+@pytest.mark.parametrize("name", ["copy", "run.2", "a_b-c", "v1.0", "_x", "7"])
+def test_ordinary_run_names_are_accepted(name: str) -> None:
+    assert load_config(None, [f"run.name={name!r}"]).run.name == name

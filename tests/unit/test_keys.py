@@ -6,9 +6,16 @@ import re
 
 import pytest
 
-from pipeline.bus.keys import GROUP_ROLE, OP_ROLES, SCORERS_GROUP, TRAINERS_GROUP, Keys
+from pipeline.bus.keys import (
+    GROUP_ROLE,
+    HEARTBEAT_ROLES,
+    OP_ROLES,
+    SCORERS_GROUP,
+    TRAINERS_GROUP,
+    Keys,
+)
 
-ALL = ("rollouts", "scored", "control", "dlq", "state", "workers")
+ALL = ("rollouts", "scored", "control", "dlq", "state")
 
 
 def _hash_tag(key: str) -> str:
@@ -21,7 +28,7 @@ def _hash_tag(key: str) -> str:
 @pytest.mark.parametrize("run", ["copy", "a", "Run_1.v-2", "x" * 64])
 def test_every_key_shares_the_run_hash_tag(run: str) -> None:
     k = Keys(run)
-    keys = [getattr(k, name) for name in ALL]
+    keys = [getattr(k, name) for name in ALL] + [k.heartbeats(r) for r in HEARTBEAT_ROLES]
     assert all(_hash_tag(key) == run for key in keys)
     assert all(key.startswith(f"sluice:{{{run}}}:") for key in keys)
     assert len(set(keys)) == len(keys)
@@ -71,3 +78,17 @@ def test_op_keys_are_namespaced_by_the_role_that_owns_the_call() -> None:
     for role in ("monitor", "evaluator", "admin", "", "trainer:x"):
         with pytest.raises(ValueError, match="op keys belong to"):
             k.op(role, "x")
+
+
+def test_each_role_heartbeats_into_its_own_hash() -> None:
+    k = Keys("r")
+    assert k.heartbeat_key("scorer/s0") == k.heartbeats("scorer") == "sluice:{r}:workers:scorer"
+    assert len({k.heartbeats(r) for r in HEARTBEAT_ROLES}) == len(HEARTBEAT_ROLES)
+    with pytest.raises(ValueError, match="heartbeats belong"):
+        k.heartbeat_key("monitor/m")
+
+
+@pytest.mark.parametrize("run", ["..", ".", ".x", "-x", "a/b", ""])
+def test_run_names_that_could_name_a_path_are_refused(run: str) -> None:
+    with pytest.raises(ValueError, match="run name"):
+        Keys(run)

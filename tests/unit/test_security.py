@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bus.keys import OP_ROLES, Keys
+from pipeline.bus.keys import HEARTBEAT_ROLES, OP_ROLES, Keys
 from pipeline.bus.security import (
     ROLES,
     Credentials,
@@ -131,7 +131,8 @@ def test_template_renders_one_user_per_role_with_hashed_passwords() -> None:
         assert passwords[role] not in line
     assert "$" not in text and "#" not in text.replace(" #", " ")  # nothing left unrendered
     keys = set(re.findall(r"~(sluice:\{[^}]*\}:[\w:*]+)", text))
-    names = ("rollouts", "scored", "control", "dlq", "state", "workers", "leases", "trainer",
+    names = ("rollouts", "scored", "control", "dlq", "state", "leases", "trainer",
+             *(f"workers:{r}" for r in HEARTBEAT_ROLES),
              "op:generator:*", "op:scorer:*", "op:trainer:*", "*")
     # the run's keys, and each pattern again for the run's lanes (docs/scaling.md)
     assert keys == {f"sluice:{{{tag}}}:{k}" for k in names for tag in ("demo", "demo~*")}
@@ -149,6 +150,17 @@ def test_each_writing_role_is_granted_only_its_own_op_namespace() -> None:
     assert f"~{k.prefix}:op:*" not in text  # no role-blind grant is left, nor may one be
     with pytest.raises(ValueError, match="op keys are granted per role"):
         render("user a on (~${prefix}:op:* +get)", k.prefix, {})
+
+
+def test_each_role_may_write_only_its_own_roles_heartbeats() -> None:
+    """`sluice up` and `sluice status` act on heartbeats: a scorer must not fake or erase
+    the trainer's. Only `monitor` (read-only) and `admin` see them all."""
+    k = Keys("demo")
+    text = render(TEMPLATE.read_text(), k.prefix, {r: "pw" for r in ROLES})
+    users = {line.split()[1]: line for line in text.splitlines()}
+    for role in ROLES:
+        granted = set(re.findall(r"~(sluice:\{demo\}:workers[\w:*]*)", users[username(role)]))
+        assert granted == ({k.heartbeats(role)} if role in HEARTBEAT_ROLES else set()), role
 
 
 def test_template_fails_closed() -> None:

@@ -30,6 +30,7 @@ from pipeline.bus.keys import Keys
 from pipeline.bus.schema import RolloutGroup
 from pipeline.model import load_model, model_state_for_publish
 from pipeline.ops.embedded import EmbeddedRedis
+from pipeline.vllm_auth import auth_headers, vllm_api_key
 from pipeline.weights import FileTransport
 from tests.helpers import run_header, spawn_role, wait_for, write_config
 from tests.vllm.conftest import VLLMServer
@@ -41,7 +42,8 @@ N = 8
 
 def weight_label(url: str) -> str | None:
     try:
-        with urllib.request.urlopen(url + "/weight_info", timeout=2) as r:
+        req = urllib.request.Request(url + "/weight_info", headers=auth_headers(vllm_api_key()))
+        with urllib.request.urlopen(req, timeout=2) as r:
             return str(json.loads(r.read())["weight_version"])
     except OSError:
         return None
@@ -89,7 +91,7 @@ admission_window = {WINDOW}
     health: list[bool] = []
 
     def beat() -> dict[str, Any]:
-        raw = r.hget(keys.workers, "generator/g0")
+        raw = r.hget(keys.heartbeats("generator"), "generator/g0")
         info = json.loads(raw) if raw else {}
         if info:
             health.append(bool(info.get("healthy")))
