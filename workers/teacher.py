@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from pipeline.config import ConfigError
+from pipeline.vllm_auth import auth_headers, vllm_api_key
 
 if TYPE_CHECKING:
     import aiohttp
@@ -176,7 +177,7 @@ class VLLMTeacher:
     loop; ``await start()`` first."""
 
     def __init__(self, urls: list[str], names: Sequence[str], *, timeout_s: float = 300.0,
-                 attempts: int = 3) -> None:
+                 attempts: int = 3, api_key: str | None = None) -> None:
         if not urls:
             raise ValueError("VLLMTeacher needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -186,6 +187,8 @@ class VLLMTeacher:
         self.attempts = attempts
         self.next = 0
         self.session: aiohttp.ClientSession | None = None
+        # the servers' key on every request (vllm_auth); None: $VLLM_API_KEY
+        self.headers = auth_headers(vllm_api_key() if api_key is None else api_key)
 
     async def start(self) -> None:
         """Open the session and find each server's name for the teacher. A server that
@@ -212,7 +215,8 @@ class VLLMTeacher:
         assert self.session is not None, "call start() first"
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            async with self.session.request(method, url, json=body, timeout=timeout) as r:
+            async with self.session.request(method, url, json=body, headers=self.headers,
+                                            timeout=timeout) as r:
                 text = await r.text()
                 status = r.status
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
@@ -316,7 +320,8 @@ def load_teacher(cfg: Config) -> Teacher:
     s = cfg.scoring
     if s.teacher_urls:
         return VLLMTeacher(list(s.teacher_urls), teacher_names(cfg),
-                           timeout_s=cfg.generation.vllm.request_timeout_s)
+                           timeout_s=cfg.generation.vllm.request_timeout_s,
+                           api_key=vllm_api_key(cfg.generation.vllm.api_key_file))
     from pipeline.devices import resolve_device
     from pipeline.model import load_model
 

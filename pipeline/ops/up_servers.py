@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import Config, ConfigError
+from pipeline.vllm_auth import run_key
 from workers.engines.vllm_server import ServerSpec
 
 
@@ -173,7 +174,9 @@ def vllm_specs(cfg: Config) -> list[ServerSpec]:
     first: a `ConfigError` comes before anything is resolved or started). Every server
     loads the local folder of the model (the run's pinned snapshot when ``cfg`` comes from
     `prepare`; a hub id is resolved through the cache), the same files the trainer and
-    generators load. Only the generators' servers take NCCL pushes."""
+    generators load. Only the generators' servers take NCCL pushes. Every server gets the
+    run's key (`pipeline.vllm_auth.run_key`: the configured one, else the run's own in
+    ``<output>/vllm/api_key``); `run_up` hands it to the roles in ``VLLM_API_KEY``."""
     from pipeline.hub import resolve_model
 
     plan = server_plan(cfg)
@@ -184,7 +187,8 @@ def vllm_specs(cfg: Config) -> list[ServerSpec]:
     lora = cfg.model.lora
     model = resolve_model(cfg.model.path, cfg.model.revision).local_dir
     nccl = NCCL_ARGS if v.weight_transfer == "nccl" else []
-    return [ServerSpec(python=str(python), model=model,
+    key = run_key(cfg.output_path / "vllm", v.api_key_file)
+    return [ServerSpec(api_key=key, python=str(python), model=model,
                        dtype=cfg.model.dtype, max_model_len=v.max_model_len,
                        kv_cache_memory_bytes=v.kv_cache_memory_bytes,
                        gpu_memory_utilization=p.memory_utilization,

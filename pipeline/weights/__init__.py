@@ -92,10 +92,12 @@ def make_transport(cfg: Config, *, keep: int = 4) -> WeightTransport:
                          cache_dir=cache_path(cfg))
     v = cfg.generation.vllm
     if cfg.generation.engine == "vllm" and v.weight_transfer == "nccl":
+        from pipeline.vllm_auth import vllm_api_key
         from pipeline.weights.nccl import NCCLTransport, NCCLWeightSync
 
         sync = NCCLWeightSync(v.urls, v.nccl_master_address, v.nccl_master_port,
-                              timeout_s=v.nccl_timeout_s, device=_trainer_gpu(cfg))
+                              timeout_s=v.nccl_timeout_s, device=_trainer_gpu(cfg),
+                              api_key=vllm_api_key(v.api_key_file))
         return NCCLTransport(sync, file)
     return file
 

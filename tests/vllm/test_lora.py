@@ -15,6 +15,7 @@ import torch
 
 from pipeline.config import LoraConfig
 from pipeline.model import apply_lora, load_model
+from pipeline.vllm_auth import auth_headers, vllm_api_key
 from pipeline.weights import LoraTransport
 from tests.helpers import wait_for_async
 from tests.vllm.conftest import VLLMServer
@@ -51,7 +52,8 @@ def peft_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
 
 
 async def served(url: str) -> list[str]:
-    async with aiohttp.ClientSession() as s, s.get(url + "/v1/models") as r:
+    async with aiohttp.ClientSession(headers=auth_headers(vllm_api_key())) as s, \
+            s.get(url + "/v1/models") as r:
         return [m["id"] for m in (await r.json())["data"]]
 
 

@@ -163,7 +163,8 @@ def test_concurrency_cap_starts_from_the_kv_cache_and_grows_when_idle(
     from workers.engines.vllm_metrics import parse_metrics
 
     async def go() -> tuple[int, list[int], dict[str, Any], int]:
-        async with aiohttp.ClientSession() as http, http.get(vllm_server.url + "/metrics") as r:
+        async with aiohttp.ClientSession(headers=vllm_server.headers) as http, \
+                http.get(vllm_server.url + "/metrics") as r:
             kv_tokens = parse_metrics(await r.text()).kv_cache_tokens
         assert kv_tokens
         e = VLLMEngine([vllm_server.url], vllm_server.model, max_inflight=10_000,

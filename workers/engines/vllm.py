@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import numpy as np
 
+from pipeline.vllm_auth import auth_headers, vllm_api_key
 from workers.engines.base import Completion, EngineError, SamplingParams
 from workers.engines.vllm_metrics import initial_cap, next_cap, parse_metrics
 from workers.engines.vllm_pool import Server, ServerDown, VLLMError
@@ -79,7 +80,7 @@ class VLLMEngine(WeightSync):
                  request_attempts: int = 20, backoff_max_s: float = 10.0,
                  metrics_interval_s: float = 1.0, lora_prefix: str = "",
                  keep_adapters: int = 0, nccl: bool = False,
-                 model_aliases: tuple[str, ...] = ()) -> None:
+                 model_aliases: tuple[str, ...] = (), api_key: str | None = None) -> None:
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL")
         self.servers = [Server(u.rstrip("/"), ceiling=max_inflight, version=version)
@@ -101,6 +102,8 @@ class VLLMEngine(WeightSync):
         self.nccl = nccl  # the trainer pushes weights over NCCL; disk reload is the fallback
         self.current: tuple[Path, int, str] | None = None  # newest weights (path, ver, fmt)
         self.session: aiohttp.ClientSession | None = None
+        # the servers' bearer key on every request (pipeline.vllm_auth); None: $VLLM_API_KEY
+        self.headers = auth_headers(vllm_api_key() if api_key is None else api_key)
         self._changed = asyncio.Event()  # a server freed room or changed state
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
@@ -128,7 +131,8 @@ class VLLMEngine(WeightSync):
                    metrics_interval_s=v.metrics_interval_s,
                    lora_prefix=prefix if lora else "",
                    keep_adapters=keep if lora else 0,
-                   nccl=v.weight_transfer == "nccl" and not evaluator)
+                   nccl=v.weight_transfer == "nccl" and not evaluator,
+                   api_key=vllm_api_key(v.api_key_file))
 
     # ----------------------------------------------------------------- HTTP
     async def _call(self, s: Server, method: str, path: str,
@@ -140,7 +144,7 @@ class VLLMEngine(WeightSync):
                    else PROBE_TIMEOUT if path in PROBE_PATHS else SWAP_TIMEOUT)
         try:
             async with self.session.request(method, s.url + path, json=body,
-                                            timeout=timeout) as r:
+                                            headers=self.headers, timeout=timeout) as r:
                 text = await r.text()
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise ServerDown(f"{s.url}{path}: {type(e).__name__}: {e}") from e

@@ -14,6 +14,11 @@ Flags every server gets and why:
   turn off CUDA graphs and torch.compile.
 - LoRA runs: ``--enable-lora --max-lora-rank R --max-loras max_staleness + 2`` and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (adapters are loaded per version at run time).
+- With a key (``ServerSpec.api_key``; `sluice up` always gives one): ``--middleware
+  workers.engines.vllm_guard.RequireKey``, which refuses (401) every request but
+  ``/health`` without ``Authorization: Bearer <key>``, dev-mode routes included (vLLM's
+  own key check covers only ``/v1/*``-like paths). The key itself travels in the
+  environment (``VLLM_API_KEY``), never on the command line ``ps`` shows.
 Environment: ``VLLM_SERVER_DEV_MODE=1`` (pause / reload / version routes), offline hub,
 on CPU ``VLLM_CPU_OMP_THREADS_BIND`` = the core this server owns, on a GPU
 ``CUDA_VISIBLE_DEVICES`` = the GPU it is given (an entry of the parent's list).
@@ -34,6 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.ports import free_port
+from pipeline.vllm_auth import API_KEY_ENV
+from workers.engines.vllm_guard import MIDDLEWARE as GUARD_MIDDLEWARE
+
+CHECKOUT = Path(__file__).resolve().parents[2]  # holds `workers`, for the guard's import
 
 
 @dataclass
@@ -52,6 +61,9 @@ class ServerSpec:
     cuda_device: str | None = None  # GPU machines: its CUDA_VISIBLE_DEVICES (None: CPU)
     start_after: int | None = None  # `launch`: index of an earlier server to wait for
     extra_args: list[str] = field(default_factory=list)
+    # the bearer key every request must carry (env VLLM_API_KEY + `vllm_guard` on every
+    # path); None: an open server (module docstring). Never on the command line.
+    api_key: str | None = field(default=None, repr=False)
 
     def command(self, port: int) -> list[str]:
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
@@ -67,11 +79,15 @@ class ServerSpec:
         if self.lora_rank:
             cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank),
                     "--max-loras", str(self.max_loras)]
+        if self.api_key:
+            cmd += ["--middleware", GUARD_MIDDLEWARE]
         return cmd + list(self.extra_args)
 
     def env(self, cache_dir: Path) -> dict[str, str]:
-        """This process's environment plus `own_env`."""
-        return {**os.environ, **self.own_env(cache_dir)}
+        """This process's environment, less every Redis credential (a server never logs in
+        to Redis: `sluice up`'s environment may hold roles' passwords), plus `own_env`."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_REDIS_")}
+        return {**env, **self.own_env(cache_dir)}
 
     def own_env(self, cache_dir: Path | str) -> dict[str, str]:
         """The variables a server needs beyond its parent's environment (the module
@@ -84,6 +100,10 @@ class ServerSpec:
             env["CUDA_VISIBLE_DEVICES"] = self.cuda_device
         if self.lora_rank:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        if self.api_key:  # and `vllm_guard` importable from wherever the server runs
+            env[API_KEY_ENV] = self.api_key
+            path = os.environ.get("PYTHONPATH")
+            env["PYTHONPATH"] = str(CHECKOUT) + (os.pathsep + path if path else "")
         return env
 
 
