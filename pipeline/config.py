@@ -380,8 +380,9 @@ class ScoringConfig(_Section):
     """Added to the std before dividing (TRL: 1e-4)."""
     reward_timeout_s: float = Field(30.0, gt=0)
     """Per call of a reward function; one call covers every completion of one scorer read
-    (on failure, one call per group), and one probes it at start. The scorer runs its
-    rewards in a child process and kills and restarts it when a call outlives this."""
+    (on failure, one call per group), and one probes it at start. The scorer, the
+    evaluator and the start-up probe run rewards in a child process, killed (and
+    replaced) when a call outlives this."""
     read_count: int = Field(8, ge=1)
     """Groups a scorer reads per XREADGROUP."""
     advantages: str = Field("", pattern=OPTIONAL_IMPORT_PATH)

@@ -4,7 +4,10 @@ Metrics (`pipeline.evaluation`): mean reward and per-function means of greedy
 completions (greedy episodes with an environment or a rollout hook), greedy ``pass@1``
 (total reward >= ``eval.pass_threshold``), and sampled ``sampled_pass@k`` when
 ``eval.num_samples`` > 0. Reward functions are ``eval.rewards``
-(default: the training rewards), called exactly as the scorer calls them.
+(default: the training rewards), called exactly as the scorer calls them, in a reward
+process (`workers.reward_runner`) that is killed and replaced when a call outlives
+``scoring.reward_timeout_s``: an evaluation whose reward call fails is skipped
+(``reward_errors``), and the evaluator goes on.
 
 It follows ``control`` like a generator, evaluates the initial weights, then the newest
 announced version at most every ``eval_every_s`` seconds, and the final version when the
@@ -43,35 +46,34 @@ from workers.engines.base import Engine, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
 from workers.hooks import RolloutFn, load_filter, load_rollout, render_group_prompt
+from workers.reward_runner import RewardRunner, check_rewards
 from workers.tasks.catalog import Task, task_from_config
 from workers.tasks.prompts import Messages, render_prompt
-from workers.tasks.rewards import (
-    RewardFn,
-    check_rewards,
-    episode_inputs,
-    load_rewards,
-    reward_matrix,
-)
+from workers.tasks.rewards import RewardError, RewardFn, episode_inputs, load_rewards, reward_kwargs
 
 log = logging.getLogger("sluice.evaluator")
 
 
-async def reward_values(rewards: list[RewardFn], tokenizer: Any, prompts: list[dict[str, Any]],
-                        outs: list[Episode | None], timeout_s: float
-                        ) -> list[list[float | None]]:
+async def reward_values(runner: RewardRunner, tokenizer: Any, prompts: list[dict[str, Any]],
+                        outs: list[Episode | None]) -> list[list[float | None]]:
     """``[rollout][function]`` reward values (None where a function gave None, and for
     every function where the rollout failed: its environment or hook broke), the functions
-    called exactly as the scorer calls them (`workers.tasks.rewards.reward_matrix`: by keyword,
-    one call per function over every rollout; `workers.tasks.rewards.episode_inputs`)."""
+    called exactly as the scorer calls them, in ``runner``'s reward process
+    (`workers.reward_runner`: by keyword, one call per function over every rollout;
+    `workers.tasks.rewards.episode_inputs`). ``RewardError`` when a function failed, timed
+    out (its process then killed and replaced) or returned something invalid."""
     done = [i for i, e in enumerate(outs) if e is not None]
-    rows: list[list[float | None]] = [[None] * len(rewards) for _ in outs]
+    rows: list[list[float | None]] = [[None] * len(runner.rewards) for _ in outs]
     if not done:
         return rows
     ros = [outs[i].to_rollout(tokenizer) for i in done]  # type: ignore[union-attr]
     ps = [prompts[i] for i in done]
     comps, extra = episode_inputs(ps, ros)
-    m = await reward_matrix(rewards, ps, comps, [r.completion_ids.tolist() for r in ros],
-                            [r.finish_reason for r in ros], timeout_s=timeout_s, extra=extra)
+    (m,) = await runner.matrices([reward_kwargs(
+        ps, comps, [r.completion_ids.tolist() for r in ros], [r.finish_reason for r in ros],
+        extra)])
+    if isinstance(m, RewardError):
+        raise m
     for i, row in zip(done, m.tolist(), strict=True):
         rows[i] = [None if math.isnan(v) else float(v) for v in row]
     return rows
@@ -113,28 +115,43 @@ async def evaluate(engine: Engine, tokenizer: Any, prompts: list[dict[str, Any]]
                    timeout_s: float = 30.0, system_prompt: str = "",
                    rollout: RolloutFn | None = None,
                    render: Callable[[Any], tuple[list[int], Messages | None]] | None = None,
+                   runner: RewardRunner | None = None,
                    ) -> dict[str, float]:
     """Greedy rollouts of every prompt (and ``num_samples`` sampled ones each with
     ``sampling``), scored with ``rewards``, summarised
     (`pipeline.evaluation.summarize_scores`). ``rollout``: the run's environment or
     rollout hook (`workers.hooks.load_rollout`); None = single completions. ``render``:
     a prompt's ids and conversation as the generators render them
-    (`workers.hooks.render_group_prompt`); default `render_prompt`'s."""
+    (`workers.hooks.render_group_prompt`); default `render_prompt`'s. ``runner``: the
+    reward process of ``rewards`` to call them in (the evaluator keeps one); None: one
+    started for this call (``timeout_s`` per reward call) and closed after. Rewards
+    never run in this process: a hang would freeze its event loop. ``RewardError``
+    when a reward call failed."""
+    if runner is None:
+        own = RewardRunner(rewards, timeout_s)
+        try:
+            return await evaluate(engine, tokenizer, prompts, max_new_tokens, rewards,
+                                  pass_threshold=pass_threshold, num_samples=num_samples,
+                                  pass_at=pass_at, sampling=sampling,
+                                  system_prompt=system_prompt, rollout=rollout,
+                                  render=render, runner=own)
+        finally:
+            await own.close()
     rendered = [render(p["text"]) if render else
                 (render_prompt(tokenizer, p["text"], system_prompt), None) for p in prompts]
     ids, convs = [r[0] for r in rendered], [r[1] for r in rendered]
     greedy = [g[0] for g in await rollouts_of(
         engine, tokenizer, prompts, ids, 1, SamplingParams(max_new_tokens, greedy=True),
         rollout, convs)]
-    scores = await reward_values(rewards, tokenizer, prompts, greedy, timeout_s)
+    scores = await reward_values(runner, tokenizer, prompts, greedy)
     sampled: list[list[list[float | None]]] = []
     if num_samples > 0:
         params = sampling or SamplingParams(max_new_tokens)
         groups = await rollouts_of(engine, tokenizer, prompts, ids, num_samples, params,
                                    rollout, convs)
-        flat = await reward_values(rewards, tokenizer,
+        flat = await reward_values(runner, tokenizer,
                                    [p for p in prompts for _ in range(num_samples)],
-                                   [c for g in groups for c in g], timeout_s)
+                                   [c for g in groups for c in g])
         sampled = [flat[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
     return summarize_scores([r.name for r in rewards], [r.weight for r in rewards], scores,
                             pass_threshold, sampled, pass_at)
@@ -164,6 +181,9 @@ class Evaluator:
         self.prompts = task_from_config(cfg, self.tokenizer).heldout(cfg.task.heldout)
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
         self.rewards = load_rewards(cfg, "eval.rewards")
+        # one reward process for the evaluator's life, killed and replaced on a hang
+        self.runner = RewardRunner(self.rewards, cfg.scoring.reward_timeout_s)
+        self.reward_errors = 0  # evaluations skipped: a reward call failed
         self.rollout = load_rollout(cfg)  # episodes, as the generators make them
         g = cfg.generation
         self.sampling = SamplingParams(g.max_new_tokens, temperature=g.temperature,
@@ -175,15 +195,23 @@ class Evaluator:
         self.tracker = Tracker()  # run.report_to, opened by `run`
 
     async def run_once(self, version: int, step: int) -> None:
+        """Evaluate the loaded ``version``: a line in eval.jsonl, the tracker, metrics. A
+        reward call that fails (raises, times out: its process killed and replaced)
+        skips this evaluation, counted in ``reward_errors``; the evaluator goes on."""
         e = self.cfg.eval
-        res = await evaluate(self.engine, self.tokenizer, self.prompts,
-                             self.cfg.generation.max_new_tokens, self.rewards,
-                             pass_threshold=e.pass_threshold, num_samples=e.num_samples,
-                             pass_at=e.pass_at, sampling=self.sampling,
-                             timeout_s=self.cfg.scoring.reward_timeout_s,
-                             system_prompt=self.cfg.task.system_prompt, rollout=self.rollout,
-                             render=lambda text: render_group_prompt(self.cfg, self.tokenizer,
-                                                                     text))
+        try:
+            res = await evaluate(self.engine, self.tokenizer, self.prompts,
+                                 self.cfg.generation.max_new_tokens, self.rewards,
+                                 pass_threshold=e.pass_threshold, num_samples=e.num_samples,
+                                 pass_at=e.pass_at, sampling=self.sampling,
+                                 system_prompt=self.cfg.task.system_prompt,
+                                 rollout=self.rollout, runner=self.runner,
+                                 render=lambda text: render_group_prompt(self.cfg,
+                                                                         self.tokenizer, text))
+        except RewardError as err:
+            self.reward_errors += 1
+            log.warning("eval v%d skipped: %s", version, err)
+            return
         now = time.time()
         self.last = {"version": version, "step": step, "t": now - self.t0, "ts": now,
                      "n": len(self.prompts), **res}
@@ -215,7 +243,9 @@ class Evaluator:
                  self.cfg.eval_engine, len(self.prompts), [r.name for r in self.rewards])
         bus = connect(self.cfg)
         hb = Heartbeat(bus, self.wid, self.cfg.bus.heartbeat_s,
-                       lambda: {"version": self.engine.version, "last": self.last}, self.metrics)
+                       lambda: {"version": self.engine.version, "last": self.last,
+                                "reward_errors": self.reward_errors,
+                                "reward_restarts": self.runner.restarts}, self.metrics)
         hb.start()
         try:
             resumed = self.path.exists() and self.path.stat().st_size > 0
@@ -245,6 +275,7 @@ class Evaluator:
             await bus.close()
             await self.engine.close()
             await self.weights.close()  # its rebuilt deltas, if any
+            await self.runner.close()
             await asyncio.to_thread(self.tracker.finish)
 
 

@@ -48,8 +48,10 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.config import Config
 from workers.reward_child import frame, read_frame
-from workers.tasks.rewards import RewardError, RewardFn, probe_kwargs
+from workers.tasks.catalog import Task
+from workers.tasks.rewards import RewardError, RewardFn, load_rewards, probe_kwargs, probe_rewards
 
 log = logging.getLogger("sluice.scorer")
 START_TIMEOUT_S = 300.0  # the child imports the reward modules (a reward model: minutes)
@@ -243,3 +245,26 @@ class RewardRunner:
         except TimeoutError:
             pass
         await self._kill()
+
+
+async def probe_in_child(cfg: Config, rewards: list[RewardFn], task: Task | None = None,
+                         key: str = "scoring.rewards") -> None:
+    """`workers.tasks.rewards.probe_rewards` in a reward process of its own, closed
+    after: a probe that hangs, even an async reward blocking its event loop, costs
+    ``scoring.reward_timeout_s`` and a killed child, never the caller."""
+    runner = RewardRunner(rewards, cfg.scoring.reward_timeout_s)
+    try:
+        await probe_rewards(cfg, rewards, task, key, probe=runner.probe)
+    finally:
+        await runner.close()
+
+
+def check_rewards(cfg: Config, task: Task | None = None, key: str = "scoring.rewards"
+                  ) -> None:
+    """What `sluice up`, `sluice score` and `sluice eval` run before starting any role:
+    load every reward function under ``key`` and probe it once in a reward process
+    (`probe_in_child`; building the task unless given); ``ConfigError`` / ``ValueError``
+    naming the key. WHY a process: the probe runs in the CLI's own event loop, which an
+    async reward calling ``time.sleep`` would freeze for good (``asyncio.wait_for``
+    cannot fire), so `sluice up` would hang in its preflight."""
+    asyncio.run(probe_in_child(cfg, load_rewards(cfg, key), task, key))

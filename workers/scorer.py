@@ -75,13 +75,12 @@ from pipeline.rl.advantages import (
 from pipeline.rl.distillation import mean_over_mask, reverse_kl, token_advantages
 from pipeline.runtime import LEAVE_TIMEOUT_S, Heartbeat, connect, join, limits
 from workers.hooks import load_hook
-from workers.reward_runner import RewardRunner
+from workers.reward_runner import RewardRunner, check_rewards
 from workers.scoring import hook_advantages, rewards_of, teacher_of
 from workers.tasks.catalog import Task
 from workers.tasks.rewards import (
     RewardError,
     RewardFn,
-    check_rewards,
     load_rewards,
     probe_rewards,
 )
@@ -423,9 +422,9 @@ class Scorer:
 def preflight(cfg: Config, task: Task | None, policy_tokenizer: Callable[[], Any]) -> None:
     """What the scorer loads first, checked before any role starts (`sluice score`,
     `sluice up`): the ``scoring.advantages`` hook imports, every reward function is called
-    once on a held-out prompt (`workers.tasks.rewards.check_rewards`; ``task`` built here
-    when not given), and a teacher's vocabulary is the policy's (`check_teacher`;
-    ``policy_tokenizer`` is called only then). Each failure is a ``ConfigError`` /
+    once on a held-out prompt in a reward process (`workers.reward_runner.check_rewards`;
+    ``task`` built here when not given), and a teacher's vocabulary is the policy's
+    (`check_teacher`; ``policy_tokenizer`` is called only then). Each failure is a ``ConfigError`` /
     ``ValueError`` naming the key."""
     load_hook(cfg.scoring.advantages, "scoring.advantages")
     check_rewards(cfg, task)

@@ -398,11 +398,3 @@ async def probe_rewards(cfg: Config, rewards: list[RewardFn], task: Task | None 
         if problem is not None:
             hint = " (raise scoring.reward_timeout_s?)" if problem.startswith("timed out") else ""
             raise ConfigError(f"{key}.{i}.fn {rf.path or rf.name!r}: {problem}{hint}")
-
-
-def check_rewards(cfg: Config, task: Task | None = None, key: str = "scoring.rewards"
-                  ) -> None:
-    """What `sluice up`, `sluice score` and `sluice eval` run before starting any role:
-    load and probe every reward function under ``key`` (building the task unless given);
-    ``ConfigError`` / ``ValueError`` naming the key."""
-    asyncio.run(probe_rewards(cfg, load_rewards(cfg, key), task, key))
