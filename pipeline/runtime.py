@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -87,6 +88,21 @@ def run_role(main: Callable[[asyncio.Event], Awaitable[Any]], role: str) -> Any:
         return event_loop_runner()(runner())
     finally:
         restore_signals(before)
+        freeze_for_exit()
+
+
+def freeze_for_exit() -> None:
+    """Call once only this process's exit is left (a role once its loop has closed; `sluice
+    up` once everything it started is stopped): collects what is garbage now (finalizers
+    of unreachable objects run, their files close), then moves every survivor, all still
+    reachable, into the permanent generation (`gc.freeze`). WHY: the interpreter's
+    teardown runs full collections that walk every object the process holds; with torch
+    and transformers loaded that took 1.4-2.2 s of CPU per process on a loaded 2-core
+    machine (0.3-0.5 s frozen), at the end of every run, in every role at once. Objects
+    still alive at exit get no finalizer guarantee from Python either way. Never in a
+    process that goes on working (tests): frozen objects are never collected."""
+    gc.collect()
+    gc.freeze()
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

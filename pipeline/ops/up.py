@@ -4,7 +4,8 @@ Order: embedded Redis (unless ``bus.redis_url`` is set) → local vLLM servers (
 ``vllm`` with ``generation.vllm.launch`` > 0; each generator gets its share of their
 URLs) → trainer (publishes v0 and creates the consumer groups) → the archiver (with
 ``archive.enabled``) → scorers → generators → evaluator. The servers are stopped by PID
-after every role has exited. Roles talk only through Redis; this supervisor only starts
+after every role has exited, all at once (`stop_all`), while the summary and the audit
+run. Roles talk only through Redis; this supervisor only starts
 them, reads heartbeats and state, and stops them.
 With ``up.metrics`` (the default) each role serves Prometheus ``/metrics`` on a free
 loopback port chosen at each (re)start (`pipeline.metrics`; `sluice status` lists them).
@@ -50,8 +51,8 @@ from pipeline.ops.samples import ScorerSamples
 from pipeline.ops.up_credentials import role_credentials_override, role_env
 from pipeline.ops.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
 from pipeline.ports import free_port
-from pipeline.runtime import STACKS_SIGNAL, connect, log_tail, redis_options
-from workers.engines.vllm_server import LocalServer, ServerSpec, launch
+from pipeline.runtime import STACKS_SIGNAL, connect, freeze_for_exit, log_tail, redis_options
+from workers.engines.vllm_server import LocalServer, ServerSpec, launch, stop_all
 
 STACKS_WAIT_S = 2.0  # for a role to write its stacks before it is killed
 TAIL_REACH_LINES = 800  # how far a failure report reaches back for a dump's start: its
@@ -466,6 +467,8 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
             while time.time() < deadline and any(c.proc.poll() is None for c in sup.children):
                 time.sleep(0.2)
         sup.terminate()
+        for server in servers:  # they serve only the roles, all gone now: their shutdown
+            server.terminate()  # (seconds each) overlaps the summary and the audit
         snap = loop.run_until_complete(_final_snapshot(cfg))
         from pipeline.ops.report import summarize
 
@@ -485,11 +488,11 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
         return 0 if ok and not failed and done else 1
     finally:
         sup.terminate(grace_s=5)
-        for server in servers:
-            server.stop()
+        stop_all(servers)  # together: SIGTERM to each, then one grace period for all
         if redis is not None:
             redis.stop()
         loop.close()
+        freeze_for_exit()  # `sluice up` owns its process: only the exit is left
 
 
 def archive_dispositions(cfg: Config) -> None:

@@ -119,6 +119,7 @@ class LocalServer:
     workdir: Path
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    _terminated: bool = field(default=False, repr=False)  # `terminate` sent SIGTERM
 
     @property
     def url(self) -> str:
@@ -137,6 +138,7 @@ class LocalServer:
         self.spec.python = str(Path(self.spec.python).absolute())  # it runs in workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
+        self._terminated = False
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.spec.command(self.port), stdout=log, stderr=subprocess.STDOUT,
@@ -184,13 +186,20 @@ class LocalServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
+    def terminate(self) -> None:
+        """Ask the server to stop (SIGTERM, once: vLLM shuts its children down) without
+        waiting; `stop` then waits for it. `stop_all` asks every server first."""
+        if self.proc is not None and self.proc.poll() is None and not self._terminated:
+            self.proc.terminate()
+            self._terminated = True
+
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM (vLLM shuts its children down), then SIGKILL the group after
+        """SIGTERM (unless `terminate` sent it), then SIGKILL the group after
         ``grace_s``; also reaps children left behind by an earlier `kill`."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.terminate()
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
@@ -229,7 +238,18 @@ def launch(specs: list[ServerSpec], workdir: Path, timeout_s: float = 300.0,
             if not all(ready):
                 time.sleep(poll_s)
     except BaseException:
-        for s in servers:
-            s.stop(grace_s=10)
+        stop_all(servers, grace_s=10)
         raise
     return servers
+
+
+def stop_all(servers: list[LocalServer], grace_s: float = 30.0) -> None:
+    """Stop servers together: SIGTERM to every one first, then wait for each against one
+    deadline ``grace_s`` away, then SIGKILL each one's group (`LocalServer.stop`). WHY: a
+    vLLM server takes seconds to shut down (API server, engine core, workers, resource
+    tracker); stopped one after another, `sluice up`'s exit waited for their sum."""
+    for s in servers:
+        s.terminate()
+    deadline = time.monotonic() + grace_s
+    for s in servers:
+        s.stop(grace_s=max(0.0, deadline - time.monotonic()))
