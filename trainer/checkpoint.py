@@ -118,6 +118,8 @@ class Checkpointer:
             self._check()
             commit_dir(tmp, final)  # the commit point
         except BaseException as e:
+            if isinstance(e, Exception) and not tmp.exists():
+                self._check()  # removed by a newer lock holder: `TrainerLockLost`
             code = e.errno if isinstance(e, OSError) else None
             if isinstance(e, RuntimeError) and _disk_full(self.root):
                 code = errno.ENOSPC  # torch.save reports it as an iostream RuntimeError

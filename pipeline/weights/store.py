@@ -164,7 +164,11 @@ class WeightStore:
             # a re-publish of the same version (e.g. after a restart) replaces it only
             # once the new copy is durable
             commit_dir(tmp, final)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, Exception) and not tmp.exists():
+                # only a newer lock holder removes our temporary folder (it cleans
+                # them all when it starts): the guard then says so (`TrainerLockLost`)
+                self._check()
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._check()

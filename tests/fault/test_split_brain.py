@@ -25,6 +25,10 @@ from tests.helpers import wait_for
 
 pytestmark = pytest.mark.fault
 
+WAIT_S = 300.0
+"""Every wait is for the condition it checks; this only bounds a hang. Generous: the
+roles share a few busy cores, and machines differ 3x in speed."""
+
 
 def _generation(log: str) -> int:
     found = re.findall(r"trainer lock taken: generation (\d+)", log)
@@ -57,10 +61,11 @@ def _announced(p: Pipeline) -> list[tuple[bytes, int]]:
     return out
 
 
-def _ledger_events(out: Path, pid: int) -> list[str]:
+def _ledger_rows(out: Path, pid: int) -> list[dict[str, object]]:
+    """The ledger rows of trainer process ``pid``, in the order it wrote them."""
     rows = []
     for path in (out / "ledger").glob(f"trainer-*-{pid}.jsonl"):
-        rows += [json.loads(line)["ev"] for line in path.read_text().splitlines() if line]
+        rows += [json.loads(line) for line in path.read_text().splitlines() if line]
     return rows
 
 
@@ -69,21 +74,21 @@ def test_paused_trainer_loses_its_lock_and_writes_nothing(pipeline: Pipeline) ->
         a = p.start("train", "trainer-a")  # consumer trainer-0, like B
         p.start("generate", "g0")
         p.start("score", "s0")
-        p.wait_trained(24)  # past a checkpoint (save_steps = 5)
+        p.wait_trained(24, WAIT_S)  # past a checkpoint (save_steps = 5)
         wait_for(lambda: p.pending_on("scored", TRAINERS_GROUP, "trainer-0") >= GROUPS_PER_STEP,
-                 60, lambda: f"trainer A to hold a step\n{p.logs()}", 0.005)
+                 WAIT_S, lambda: f"trainer A to hold a step\n{p.logs()}", 0.005)
         os.kill(a.pid, signal.SIGSTOP)
         gen_a = _generation(p.text("trainer-a"))
-        a_events = len(_ledger_events(p.out, a.pid))
+        a_events = len(_ledger_rows(p.out, a.pid))
         try:
             p.start("train", "trainer-b")  # waits out A's TTL, then takes the lock
-            wait_for(lambda: "trainer lock taken" in p.text("trainer-b"), 120,
+            wait_for(lambda: "trainer lock taken" in p.text("trainer-b"), WAIT_S,
                      lambda: f"trainer B to take the lock\n{p.logs()}")
             gen_b = _generation(p.text("trainer-b"))
             assert gen_b > gen_a
             before = p.trained()
-            p.wait_trained(before + 16)  # B trains (and passes a checkpoint)
-            wait_for(lambda: any(g == gen_b for g, _ in _checkpoints(p.out).values()), 120,
+            p.wait_trained(before + 16, WAIT_S)  # B trains (and passes a checkpoint)
+            wait_for(lambda: any(g == gen_b for g, _ in _checkpoints(p.out).values()), WAIT_S,
                      lambda: f"a checkpoint by B\n{p.logs()}")
         finally:
             ckpts_before = _checkpoints(p.out)
@@ -93,7 +98,7 @@ def test_paused_trainer_loses_its_lock_and_writes_nothing(pipeline: Pipeline) ->
             os.kill(a.pid, signal.SIGCONT)
         p.expect_exit("trainer-a")
         try:
-            rc = a.wait(120)
+            rc = a.wait(WAIT_S)
         except Exception as e:
             raise AssertionError(f"A did not exit after SIGCONT\n{p.logs()}") from e
         log_a = p.text("trainer-a")
@@ -101,10 +106,16 @@ def test_paused_trainer_loses_its_lock_and_writes_nothing(pipeline: Pipeline) ->
         assert "lost the trainer lock to" in log_a, log_a[-3000:]
         assert "another trainer is training this run" in log_a, log_a[-3000:]
 
-        # A retired, acked, dead-lettered nothing after it woke: only intents the fence
-        # refused (and its last line) are in its ledger
-        late = _ledger_events(p.out, a.pid)[a_events:]
-        assert set(late) <= {"intent", "lock_lost"}, late
+        # A retired, acked, dead-lettered nothing after it woke: what its ledger gained
+        # is intents the fence refused, its last line, and at most the outcome of a call
+        # it had already sent when it was stopped (Redis ran it then, while A's
+        # generation was the newest; sent later, the fence would have refused it). No
+        # call A decided after it woke acted.
+        rows = _ledger_rows(p.out, a.pid)
+        sent_before = {r["op"] for r in rows[:a_events] if r["ev"] == "intent"}
+        late = rows[a_events:]
+        acted = [r for r in late if r["ev"] not in ("intent", "lock_lost")]
+        assert all(r.get("op") in sent_before for r in acted), late
         # A announced nothing: every announcement after SIGCONT is B's, newer than all
         old_ids = {i for i, _ in announced_before}
         newest = max((v for _, v in announced_before), default=-1)
@@ -121,7 +132,7 @@ def test_paused_trainer_loses_its_lock_and_writes_nothing(pipeline: Pipeline) ->
         ) >= 2, "B's newest checkpoint was pruned by someone other than B"
 
         # B goes on training
-        p.wait_trained(p.trained() + 8)
+        p.wait_trained(p.trained() + 8, WAIT_S)
         assert p.state()["version"] >= version_before
         p.stop_all()
         p.assert_clean(min_trained=before + 24)

@@ -12,6 +12,7 @@ optimizer and meta agree) and that every weight version in the store verifies.
 from __future__ import annotations
 
 import errno
+import os
 import random
 import signal
 import subprocess
@@ -68,7 +69,6 @@ WRITER = textwrap.dedent("""
 
 
 def _start(root: Path, mark: Path, pause_s: float) -> subprocess.Popen[bytes]:
-    import os
     env = {**os.environ, TEST_PAUSE_ENV: str(pause_s)}
     return subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(mark)], env=env,
                             cwd=Path(__file__).resolve().parents[2],
@@ -79,16 +79,30 @@ def _in_a_write(root: Path) -> bool:
     return any(root.glob("checkpoints/.tmp-step-*")) or any(root.glob("weights/.tmp-v*"))
 
 
+def _newest_checkpoint(root: Path) -> int:
+    """The newest committed checkpoint's step (0: none), as `Checkpointer.list` sees it."""
+    return max((int(d.name[5:]) for d in root.glob("checkpoints/step-*")
+                if (d / "meta.json").exists()), default=0)
+
+
 def test_kill9_mid_checkpoint_and_publish_resumes_whole(tmp_path: Path) -> None:
+    """Each round waits until the writer has committed a checkpoint past the one it
+    resumed from (progress is made however slow the machine) and is inside a write
+    again, then kills it at a random moment: the restart must resume whole, from at
+    least the newest checkpoint committed before the kill."""
     rng = random.Random()
-    resumed = []
+    resumed, committed = [], 0
     for kill in range(8):
+        before = committed
         mark = tmp_path / f"resumed-{kill}"
         p = _start(tmp_path, mark, pause_s=0.05)
-        try:  # resumed (it checked what the last kill left), then inside a write
-            wait_for(lambda p=p, m=mark: m.exists() or p.poll() is not None, 60,
+        try:  # resumed (it checked what the last kill left), committed, inside a write
+            wait_for(lambda p=p, m=mark: m.exists() or p.poll() is not None, 120,
                      "the writer to resume")
-            wait_for(lambda p=p: _in_a_write(tmp_path) or p.poll() is not None, 60,
+            wait_for(lambda p=p, c=committed: _newest_checkpoint(tmp_path) > c
+                     or p.poll() is not None, 120, "the writer to commit a checkpoint")
+            committed = _newest_checkpoint(tmp_path)
+            wait_for(lambda p=p: _in_a_write(tmp_path) or p.poll() is not None, 120,
                      "the writer to be inside a write")
             time.sleep(rng.uniform(0, 0.15))  # a random moment of that write (or next)
         finally:
@@ -96,8 +110,93 @@ def test_kill9_mid_checkpoint_and_publish_resumes_whole(tmp_path: Path) -> None:
             out = p.communicate(timeout=30)[0].decode()
         assert "RESUMED" in out, f"restart {kill} refused what it found:\n{out[-3000:]}"
         resumed.append(int(out.split("RESUMED", 1)[1].split()[0]))
+        assert resumed[-1] >= before, (kill, resumed, before)  # nothing committed lost
     assert resumed == sorted(resumed), resumed  # never went back
-    assert resumed[-1] > 0
+    final = _start(tmp_path, tmp_path / "resumed-final", pause_s=0)
+    try:
+        wait_for(lambda: (tmp_path / "resumed-final").exists() or final.poll() is not None,
+                 120, "the last restart to resume")
+    finally:
+        final.send_signal(signal.SIGKILL)
+        out = final.communicate(timeout=30)[0].decode()
+    assert "RESUMED" in out, out[-3000:]
+    assert int(out.split("RESUMED", 1)[1].split()[0]) >= committed > 0, (out, committed)
+
+
+PRUNER = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from pipeline.weights.store import WeightStore
+
+    root = Path(sys.argv[1])
+    for line in sys.stdin:  # one writer per line, forked: the imports are paid once
+        pid = os.fork()
+        if pid == 0:
+            store = WeightStore(root, keep=1)
+            store.clean_temp()
+            version = max([int(p.name[1:]) for p in root.glob("v*")] or [0])
+            while True:  # every commit prunes the version before it: 64 files to delete
+                version += 1
+                store.commit([(f"f{i}.bin", b"x" * 4096) for i in range(64)], fmt="raw",
+                             version=version, step=version)
+        print(pid, flush=True)
+        print(os.waitpid(pid, 0)[1], flush=True)
+""")
+
+
+def _half_versions(root: Path) -> list[str]:
+    """Version folders that are not whole: a manifest missing, or files it does not
+    list, or files it lists missing."""
+    import json
+
+    bad = []
+    for d in sorted(root.glob("v*")):
+        man = d / "manifest.json"
+        names = sorted(p.name for p in d.iterdir())
+        if not man.exists() or names != sorted([*json.loads(man.read_text())["files"],
+                                                "manifest.json"]):
+            bad.append(f"{d.name}: {len(names)} files, manifest {man.exists()}")
+    return bad
+
+
+def _versions(root: Path) -> set[str]:
+    try:
+        return {p.name for p in root.iterdir() if p.name.startswith("v")}
+    except FileNotFoundError:
+        return set()
+
+
+def test_kill9_mid_prune_leaves_no_half_version(tmp_path: Path) -> None:
+    """The weight store prunes the version before each new one, right after the new
+    one's rename. A writer (a real process, forked from one that paid the imports) is
+    killed with SIGKILL a random few milliseconds after a new version appears, so most
+    kills land inside a prune: no ``v<N>`` folder may be left with some of its files (a
+    reader would find it under its name). Before `pipeline.durable.remove_dir`, several
+    of 30 kills did."""
+    rng = random.Random()
+    root = tmp_path / "weights"
+    root.mkdir()
+    zygote = subprocess.Popen([sys.executable, "-c", PRUNER, str(root)],
+                              cwd=Path(__file__).resolve().parents[2], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert zygote.stdin is not None and zygote.stdout is not None
+    try:
+        for kill in range(30):
+            seen = _versions(root)
+            zygote.stdin.write("go\n")
+            zygote.stdin.flush()
+            pid = int(zygote.stdout.readline())
+            try:  # a new version renamed into place: its prune of the one before follows
+                wait_for(lambda s=seen: _versions(root) - s, 120,
+                         "the writer to commit a version", 0.001)
+                time.sleep(rng.uniform(0, 0.01))
+            finally:
+                os.kill(pid, signal.SIGKILL)
+            assert int(zygote.stdout.readline()) == signal.SIGKILL, kill  # died by it
+            assert not _half_versions(root), (kill, _half_versions(root))
+    finally:
+        zygote.kill()
+        zygote.communicate(timeout=30)
 
 
 def test_full_disk_keeps_the_previous_checkpoint(tmp_path: Path) -> None:

@@ -229,3 +229,56 @@ async def _holds(lock: TrainerLock) -> bool:
 
 async def _now(value: bool) -> bool:
     return value
+
+
+@pytest.mark.parametrize("writer", ["weights", "checkpoint"])
+def test_a_write_whose_folder_the_new_holder_removed_says_the_lock_is_lost(
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
+    """A stalls inside a weight publish or a checkpoint write; B takes over and, like
+    every new holder (`trainer.fenced.arm`), removes the temporary folders it finds,
+    A's among them. A's write then fails: it must fail as `TrainerLockLost` (the trainer
+    exits naming the reason), not as a raw FileNotFoundError, and leave nothing."""
+    import torch
+
+    from pipeline.durable import TEST_PAUSE_ENV
+    from pipeline.weights.store import WeightStore
+    from trainer.checkpoint import Checkpointer, TrainerState
+
+    monkeypatch.setenv(TEST_PAUSE_ENV, "2")  # after each file: A is inside its write
+    ckpt_dir = tmp_path / "checkpoints"
+
+    def store() -> WeightStore | Checkpointer:
+        return (WeightStore(tmp_path / "weights") if writer == "weights"
+                else Checkpointer(ckpt_dir, keep=2))
+
+    def write(target: WeightStore | Checkpointer) -> object:
+        if isinstance(target, WeightStore):
+            return target.commit([(f"f{i}.bin", b"x" * 64) for i in range(4)], fmt="raw",
+                                 version=1, step=1)
+        model = torch.nn.Linear(4, 4)
+        return target.save(model, torch.optim.AdamW(model.parameters()), TrainerState(step=1))
+
+    async def go() -> None:
+        a = TrainerLock(Bus.connect(redis_server.url, run_name), TTL_S, holder="a",
+                        fence_dir=ckpt_dir)
+        await a.acquire()
+        a_store = store()
+        a_store.guard = a.guard
+        job = asyncio.ensure_future(asyncio.to_thread(write, a_store))
+        await wait_for_async(lambda: _now(any(tmp_path.glob("*/.tmp-*")) or job.done()),
+                             60, "A to be inside its write")
+        _pause(a)  # A stalls
+        await _expired(a)
+        b = TrainerLock(Bus.connect(redis_server.url, run_name), TTL_S, holder="b",
+                        fence_dir=ckpt_dir)
+        try:
+            await b.acquire()
+            store().clean_temp()  # what B does right after it took the lock
+            with pytest.raises(TrainerLockLost, match="lost the trainer lock to"):
+                await asyncio.wait_for(job, 120)  # was FileNotFoundError
+            assert not [p for p in tmp_path.glob("*/*") if p.name != "FENCE"]
+        finally:
+            await _close(a, b)
+
+    arun(go())
