@@ -73,7 +73,7 @@ from pipeline.bus.client import Bus
 from pipeline.bus.codec import decode_entry, encode
 from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.bus.schema import Limits, RolloutGroup, ScoredGroup
-from pipeline.ops.embedded import EmbeddedCluster
+from sluice.embedded import EmbeddedCluster
 
 TARGET_RATE = 2.0  # sluice / mp.Queue groups/s, at 2 KB and 48 KB
 TARGET_RATE_SIZES = (2 * 1024, 48 * 1024)

@@ -2,11 +2,11 @@
 redis-server of their own, real scorer processes, rollout groups of a target size, CPU
 accounting per process, and the tiny model's trainer step that bus CPU is weighed against.
 
-- The server is `pipeline.ops.embedded.EmbeddedRedis`, the one `sluice up` runs: on a
+- The server is `sluice.embedded.EmbeddedRedis`, the one `sluice up` runs: on a
   unix socket (as `sluice up`) or on a free loopback TCP port, without persistence unless
   asked (``appendonly``; `sluice up` runs with AOF, ``appendfsync everysec``). One server
   per measured arm, stopped by PID at its end, so no arm inherits another's memory.
-- Scorers are the real role, ``python -m pipeline.ops.cli score CONFIG --name NAME``,
+- Scorers are the real role, ``python -m sluice.cli score CONFIG --name NAME``,
   started as OS processes from the repository root (so reward functions under
   `benchmarks.rewards` import) with one torch/BLAS thread, and stopped by PID (SIGTERM:
   the role finishes its batch and leaves; SIGKILL after a grace period).
@@ -34,8 +34,8 @@ import psutil
 from pipeline.bus.client import Bus
 from pipeline.bus.codec import encode
 from pipeline.bus.schema import Rollout, RolloutGroup
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.ports import free_port
+from sluice.embedded import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 76  # the tiny char model's vocabulary (`pipeline.model.VOCAB_SIZE`): ids 4..75
@@ -133,7 +133,7 @@ def start_scorers(config: Path, n: int, log_dir: Path,
     for i in range(n):
         with open(log_dir / f"bench-s{i}.log", "ab") as out:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "pipeline.ops.cli", "score", str(config),
+                [sys.executable, "-m", "sluice.cli", "score", str(config),
                  "--name", f"bench-s{i}"],
                 cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT))
     return procs

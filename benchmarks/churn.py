@@ -47,8 +47,8 @@ from pipeline.bus.lanes import Lanes, add_states  # noqa: E402
 from pipeline.bus.ledger import read_ledgers  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.model import init_tiny_model  # noqa: E402
-from pipeline.ops.embedded import EmbeddedCluster, EmbeddedRedis  # noqa: E402
 from pipeline.ports import free_port  # noqa: E402
+from sluice.embedded import EmbeddedCluster, EmbeddedRedis  # noqa: E402
 
 # the quick start, with a bus tuned for churn: dead consumers' entries reclaimed after 3 s
 # and dead generators' leases taken over after 5 s (the defaults, 30 s and 60 s, suit a
@@ -76,7 +76,7 @@ class Fleet:
             self.serial += 1
             name = f"{role[0]}{self.serial}"
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
-        args = [sys.executable, "-m", "pipeline.ops.cli", role, str(self.config), "--name",
+        args = [sys.executable, "-m", "sluice.cli", role, str(self.config), "--name",
                 name]
         for s in self.sets:
             args += ["--set", s]

@@ -147,7 +147,7 @@ def student_args(config: Path, out: Path, student: Path, teacher: Path, target: 
     ``pass@1 >= target`` (evaluated every 5 s), or after ``max_time_s``."""
     sets = [f"run.output_dir={out}", f"model.path={student}", f"scoring.teacher={teacher}",
             f"up.stop_at=pass@1>={target:.3f}", f"run.max_time_s={max_time_s}"]
-    return [sys.executable, "-m", "pipeline.ops.cli", "up", str(config),
+    return [sys.executable, "-m", "sluice.cli", "up", str(config),
             *[a for s in sets for a in ("--set", s)], "--eval-every", "5"]
 
 

@@ -55,11 +55,11 @@ from transformers.utils import logging as hf_logging
 from pipeline.model import init_tiny_model, load_model, model_state_for_publish
 from pipeline.runtime import set_threads
 from pipeline.weights import FileTransport, read_full
+from sluice.vllm_server import LocalServer, ServerSpec, launch
 from workers.engines.base import Completion, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.engines.vllm import VLLMEngine
 from workers.engines.vllm_metrics import ServerMetrics, parse_metrics
-from workers.engines.vllm_server import LocalServer, ServerSpec, launch
 from workers.tasks.catalog import make_task
 from workers.tasks.prompts import render_prompt
 

@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script (the docstring's commands) or with -m
 
 from benchmarks.vs_trl_report import first, mechanism, report  # noqa: E402
-from pipeline.ops.report import read_jsonl  # noqa: E402
+from sluice.report import read_jsonl  # noqa: E402
 
 PY = sys.executable
 ROLES = {"up": "up", "generate": "generator", "score": "scorer", "train": "trainer",

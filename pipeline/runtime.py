@@ -132,7 +132,7 @@ STACK_DUMP_MARK = "(most recent call first):"
 """How every thread's section of a `faulthandler` dump begins (its first line ends so)."""
 
 HANG_REPORT_MARK = "=== hang report"
-"""How the first line of `pipeline.ops.hang_report.hang_report` begins (`sluice up` writes
+"""How the first line of `sluice.hang_report.hang_report` begins (`sluice up` writes
 it into a straggler's log before killing it)."""
 
 

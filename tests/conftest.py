@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from pipeline.ops.embedded import EmbeddedCluster, EmbeddedRedis
 from pipeline.ports import free_port
+from sluice.embedded import EmbeddedCluster, EmbeddedRedis
 
 T = TypeVar("T")
 

@@ -65,7 +65,7 @@ def spawn_role(role: str, config: Path, *overrides: str, name: str | None = None
     With ``--allow-config-change``: these tests start the roles of one run directory with
     deliberately different configs (a hanging reward, longer completions), which a real
     run would refuse (`pipeline.rundir`); the pin of the model is unaffected."""
-    args = [sys.executable, "-m", "pipeline.ops.cli", role, str(config), "--allow-config-change"]
+    args = [sys.executable, "-m", "sluice.cli", role, str(config), "--allow-config-change"]
     for o in overrides:
         args += ["--set", o]
     if name:
@@ -150,7 +150,7 @@ def check_pause_keep_swap(prompts: list[list[int]], groups: list[list[Any]], con
 def up_args(config: Path, out: Path, model: Path, name: str, *sets: str) -> list[str]:
     """``sluice up CONFIG`` into ``out`` with a model built at ``model`` (the e2e tests'
     common overrides: 80 steps at lr 1e-3, no early stop, held-out eval every 5 s)."""
-    args = [sys.executable, "-m", "pipeline.ops.cli", "up", str(config),
+    args = [sys.executable, "-m", "sluice.cli", "up", str(config),
             "--set", f"run.output_dir={out}", "--set", f"model.path={model}",
             "--set", f"run.name={name}", "--set", "trainer.max_steps=80",
             "--set", "trainer.lr=1e-3", "--set", "up.stop_at="]
@@ -235,7 +235,7 @@ class RedisProcess:
     def start(self, timeout_s: float = 10.0) -> RedisProcess:
         import redis
 
-        from pipeline.ops.embedded import find_redis_server
+        from sluice.embedded import find_redis_server
 
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError("already started (a second server would leak the first)")

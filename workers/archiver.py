@@ -42,13 +42,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.archive.format import Item, row_of, table_of
-from pipeline.archive.history import disposition_table, lives
-from pipeline.archive.store import ArchiveStore, archive_url
+from pipeline.archive.store import ArchiveStore, archive_url, write_dispositions
 from pipeline.bus import control
 from pipeline.bus.client import Bus, Entry, worker_id
 from pipeline.bus.codec import DecodeError, decode_entry, peek_group_id
 from pipeline.bus.keys import ARCHIVERS_GROUP
-from pipeline.bus.ledger import Ledger, read_ledgers
+from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import RunFinished, ScoredGroup
 from pipeline.config import Config, ConfigError
 from pipeline.metrics import start as start_metrics
@@ -316,15 +315,6 @@ def decoder_and_task(cfg: Config) -> tuple[Decoder, Task, str]:
 
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def write_dispositions(cfg: Config, store: ArchiveStore | None = None) -> int:
-    """What became of every group the run's ledgers name, as the archive's
-    ``dispositions.parquet`` (replaced whole); returns its rows."""
-    store = store or ArchiveStore(archive_url(cfg))
-    table = disposition_table(lives(read_ledgers(cfg.output_path)))
-    store.write_table(store.path("dispositions.parquet"), table)
-    return int(table.num_rows)
 
 
 def preflight(cfg: Config) -> None:

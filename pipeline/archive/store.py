@@ -37,6 +37,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.archive.history import disposition_table, lives
+from pipeline.bus.ledger import read_ledgers
 from pipeline.config import Config, ConfigError
 from pipeline.durable import fsync_dir
 
@@ -173,3 +175,12 @@ class ArchiveStore:
 def _protocols(fs: Any) -> set[str]:
     p = fs.protocol
     return set(p) if isinstance(p, tuple | list) else {p}
+
+
+def write_dispositions(cfg: Config, store: ArchiveStore | None = None) -> int:
+    """What became of every group the run's ledgers name, as the archive's
+    ``dispositions.parquet`` (replaced whole); returns its rows."""
+    store = store or ArchiveStore(archive_url(cfg))
+    table = disposition_table(lives(read_ledgers(cfg.output_path)))
+    store.write_table(store.path("dispositions.parquet"), table)
+    return int(table.num_rows)

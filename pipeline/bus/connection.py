@@ -1,6 +1,6 @@
 """How sluice opens Redis connections: one factory for a plain server and for a Redis
 Cluster (`bus.cluster`), and the start check of a cluster. The `Bus` (pipeline.bus.client)
-and the operator's tools (pipeline.ops) build their clients here and nowhere else.
+and the operator's tools (the `sluice` package) build their clients here and nowhere else.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import pytest
 import redis
 
 from pipeline.bus.security import load_credentials_file
-from pipeline.ops.acl import make_acl
-from pipeline.ops.embedded import EmbeddedCluster
+from sluice.acl import make_acl
+from sluice.embedded import EmbeddedCluster
 from tests.integration.test_security import short_run
 
 pytestmark = pytest.mark.e2e

@@ -15,8 +15,8 @@ import redis
 from pipeline.bus.client import Bus
 from pipeline.bus.connection import ClusterModeError, check_cluster
 from pipeline.config import ConfigError, load_config
-from pipeline.ops.embedded import EmbeddedCluster, EmbeddedRedis
 from pipeline.ports import free_port
+from sluice.embedded import EmbeddedCluster, EmbeddedRedis
 from tests.helpers import ROOT, run_up, up_args
 
 

@@ -15,10 +15,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline.ops.acl import make_acl
-from pipeline.ops.deploy import render
-from pipeline.ops.deploy.files import SECRETS_DIR
-from pipeline.ops.deploy.plan import TARGETS
+from sluice.acl import make_acl
+from sluice.deploy import render
+from sluice.deploy.files import SECRETS_DIR
+from sluice.deploy.plan import TARGETS
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {"copy": ROOT / "examples" / "copy.toml",

@@ -13,8 +13,8 @@ import redis
 import yaml
 
 from pipeline.config import load_config
-from pipeline.ops.deploy import render
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.deploy import render
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import wait_for_async
 from workers.scorer import Scorer

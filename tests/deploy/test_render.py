@@ -15,9 +15,9 @@ from pipeline.bus.keys import SCORERS_GROUP, Keys
 from pipeline.bus.lanes import Lanes
 from pipeline.bus.security import load_credentials_file
 from pipeline.config import load_config
-from pipeline.ops.cli import main
-from pipeline.ops.deploy.files import MANIFEST, dump_toml
-from pipeline.ops.deploy.plan import TARGETS, dns_name
+from sluice.cli import main
+from sluice.deploy.files import MANIFEST, dump_toml
+from sluice.deploy.plan import TARGETS, dns_name
 from tests.deploy.examples import COMMITTED, EXAMPLES, RUNS, credentials, files, render_example
 
 COPY = str(EXAMPLES["copy"])

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.ops.acl import make_acl
-from pipeline.ops.deploy import render
 from pipeline.ports import free_port
+from sluice.acl import make_acl
+from sluice.deploy import render
 from tests.deploy.examples import EXAMPLES
 from tests.deploy.slurm_cluster import SlurmCluster, SlurmUnavailable, _alive, ensure_installed
 

@@ -26,7 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pipeline.ops.deploy import render
+from sluice.deploy import render
 from tests.deploy.examples import EXAMPLES, ROOT, credentials
 
 K8S_VERSION = "1.33.0"  # native sidecars (init containers that keep running) are GA

@@ -64,7 +64,7 @@ def test_every_role_serves_metrics_that_move_during_a_run(tmp_path: Path) -> Non
 
         wait_for(served, 150, lambda: f"every role serving /metrics\n{role_logs(out)}",
                  interval_s=0.5)
-        status = subprocess.run([sys.executable, "-m", "pipeline.ops.cli", "status", "--json",
+        status = subprocess.run([sys.executable, "-m", "sluice.cli", "status", "--json",
                                  "--set", f"bus.redis_url=unix://{out}/redis/redis.sock",
                                  "--set", "run.name=metrics"], cwd=ROOT, env=env,
                                 capture_output=True, text=True, timeout=60)

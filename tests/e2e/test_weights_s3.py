@@ -28,8 +28,8 @@ import pytest
 from pipeline.bus.audit import audit, live_view, pending_intents
 from pipeline.bus.client import Bus
 from pipeline.bus.ledger import read_ledgers
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.ports import free_port
+from sluice.embedded import EmbeddedRedis
 from tests.helpers import ROOT, wait_for
 from tests.seaweed import SeaweedFS
 
@@ -88,7 +88,7 @@ class Side:
         log = self.dir / f"{name}.log"
         with open(log, "ab") as f:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.ops.cli", role, str(self.config),
+                [sys.executable, "-m", "sluice.cli", role, str(self.config),
                  "--name", name], cwd=self.dir, env=env, stdout=f, stderr=subprocess.STDOUT)
 
     def logs(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.ops.cli import main
+from sluice.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["audit", *sys.argv[1:]]))

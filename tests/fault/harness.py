@@ -24,8 +24,8 @@ from pipeline.bus.client import Bus
 from pipeline.bus.keys import Keys
 from pipeline.bus.lanes import Lanes, add_states
 from pipeline.bus.ledger import read_ledgers
-from pipeline.ops.embedded import EmbeddedCluster, EmbeddedRedis
 from pipeline.ports import free_port
+from sluice.embedded import EmbeddedCluster, EmbeddedRedis
 from tests.helpers import run_header, spawn_role, wait_for
 
 NUM_GENERATIONS = 4

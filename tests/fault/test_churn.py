@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.churn import run_phase
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.ports import free_port
+from sluice.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.fault
 

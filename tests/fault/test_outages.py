@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from pipeline.bus.keys import SCORERS_GROUP
-from pipeline.ops.embedded import EmbeddedCluster
+from sluice.embedded import EmbeddedCluster
 from tests.fault.harness import GROUPS_PER_STEP, Pipeline
 
 pytestmark = pytest.mark.fault

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from pipeline.bus.keys import TRAINERS_GROUP
-from pipeline.ops.up import child_pids, stop_gracefully
 from pipeline.ports import free_port
+from sluice.up import child_pids, stop_gracefully
 from tests.fault.harness import GROUPS_PER_STEP, Pipeline
 from tests.helpers import ROOT, wait_for
 
@@ -27,7 +27,7 @@ def start_job(p: Pipeline, name: str, ranks: int, restarts: int) -> subprocess.P
     (p.tmp / "logs").mkdir(exist_ok=True)
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
             "--max-restarts", str(restarts), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "pipeline.ops.cli", "train",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "sluice.cli", "train",
             str(p.config),
             "--name", "trainer-0"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",

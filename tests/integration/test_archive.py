@@ -20,7 +20,7 @@ from pipeline.bus.keys import ARCHIVERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger, read_ledgers
 from pipeline.bus.schema import Limits
 from pipeline.config import Config, load_config
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import wait_for_async
 from tests.unit.test_archive import scored

@@ -30,8 +30,8 @@ from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.schema import SCHEMA_VERSION, ScoredGroup
 from pipeline.config import Config, load_config
 from pipeline.model import VOCAB_SIZE
-from pipeline.ops.embedded import EmbeddedRedis
-from pipeline.ops.monitor import snapshot
+from sluice.embedded import EmbeddedRedis
+from sluice.monitor import snapshot
 from tests.conftest import arun
 from tests.helpers import make_group, wait_for_async
 from trainer.trainer import Trainer

@@ -29,8 +29,8 @@ from pipeline.bus.client import Bus
 from pipeline.bus.codec import encode
 from pipeline.bus.schema import SCHEMA_VERSION, WeightsPublished
 from pipeline.config import Config, load_config
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.weights import INDEX, FileTransport
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from workers.generator import Generator
 

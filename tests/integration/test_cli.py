@@ -14,19 +14,19 @@ import redis
 
 from pipeline.bus.codec import encode
 from pipeline.bus.keys import SCORERS_GROUP, Keys
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.embedded import EmbeddedRedis
 from tests.helpers import ROOT, make_group
 
 pytestmark = pytest.mark.integration
 
 
 def sluice(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline.ops.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "sluice.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
 
 
 _FORKS = multiprocessing.get_context("forkserver")
-_FORKS.set_forkserver_preload(["pipeline.ops.cli", "trainer.trainer", "workers.generator",
+_FORKS.set_forkserver_preload(["sluice.cli", "trainer.trainer", "workers.generator",
                                "workers.scorer", "workers.evaluator"])
 
 
@@ -36,7 +36,7 @@ def _cli_child(argv: list[str], out: str, err: str) -> None:
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)
         os.close(f)
-    from pipeline.ops.cli import main
+    from sluice.cli import main
 
     sys.exit(main(argv))
 
@@ -44,7 +44,7 @@ def _cli_child(argv: list[str], out: str, err: str) -> None:
 def sluice_forked(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``sluice ARGS`` as a process of its own, forked from multiprocessing's forkserver,
     which imported the roles' modules once for the session: the same ``main``, exit code
-    and stdout/stderr as ``python -m pipeline.ops.cli ARGS``, without the seconds each
+    and stdout/stderr as ``python -m sluice.cli ARGS``, without the seconds each
     fresh interpreter spends importing torch and transformers (these cases are many). A
     traceback that escaped ``main`` would be printed to that stderr, as in a real start.
     `sluice` (a fresh interpreter) covers the entry point itself."""

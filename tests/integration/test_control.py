@@ -12,8 +12,8 @@ from pipeline.bus import control
 from pipeline.bus.client import Bus
 from pipeline.bus.codec import decode_entry
 from pipeline.bus.schema import RunFinished, WeightsPublished
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.ports import free_port
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import wait_for_async
 
@@ -72,9 +72,9 @@ def test_watch_yields_announcements_in_order_and_skips_corrupt(
 
 def test_sluice_up_sees_the_end_of_the_run_among_the_newest_control_entries(
         redis_server: EmbeddedRedis, run_name: str) -> None:
-    """`pipeline.ops.up.finished_announced`: False on announcements alone (and on a
+    """`sluice.up.finished_announced`: False on announcements alone (and on a
     malformed entry), True once the trainer's RunFinished follows them."""
-    from pipeline.ops.up import finished_announced
+    from sluice.up import finished_announced
 
     async def go() -> list[bool]:
         bus = Bus.connect(redis_server.url, run_name)

@@ -16,7 +16,7 @@ from pipeline.bus.codec import decode_entry
 from pipeline.bus.keys import SCORERS_GROUP
 from pipeline.bus.schema import RolloutGroup, ScoredGroup
 from pipeline.config import ConfigError, load_config
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from workers.environments import Action, StepResult
 from workers.episodes import Episode, RolloutContext

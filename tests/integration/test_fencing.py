@@ -20,7 +20,7 @@ from pipeline.bus.codec import encode
 from pipeline.bus.fencing import FencedOut
 from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.bus.schema import RunFinished, WeightsPublished
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 
 

@@ -44,8 +44,8 @@ from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.schema import SCHEMA_VERSION, Rollout, RolloutGroup, ScoredGroup
 from pipeline.config import Config, load_config
 from pipeline.model import VOCAB_SIZE
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.runtime import limits as run_limits
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import key_paths, value_at
 from trainer.batch import build_batch, completion_logits

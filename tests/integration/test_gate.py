@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.bus.client import Bus
 from pipeline.bus.keys import SCORERS_GROUP
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 
 pytestmark = pytest.mark.integration

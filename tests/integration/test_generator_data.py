@@ -16,7 +16,7 @@ from pipeline.bus.codec import decode_entry
 from pipeline.bus.schema import RolloutGroup
 from pipeline.config import load_config
 from pipeline.model import load_tokenizer
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from workers.generator import Generator
 from workers.tasks.catalog import task_from_config

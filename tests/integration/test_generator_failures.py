@@ -13,7 +13,7 @@ from pipeline.bus.client import Bus
 from pipeline.bus.codec import decode_entry
 from pipeline.bus.schema import RolloutGroup
 from pipeline.config import load_config
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from workers.engines import Completion, EngineError, SamplingParams
 from workers.generator import Generator
@@ -163,8 +163,8 @@ def test_group_its_consumer_would_reject_is_abandoned_dead_not_emitted(
     balance with nothing of it left in flight, and every appended entry decodes with the
     limits the scorer uses."""
     from pipeline.bus.keys import SCORERS_GROUP
-    from pipeline.ops.monitor import snapshot
     from pipeline.runtime import limits
+    from sluice.monitor import snapshot
 
     cfg = load_config(None, [f"run.name={run_name}", f"run.output_dir={tmp_path}",
                              f"bus.redis_url={redis_server.url}",

@@ -23,8 +23,8 @@ from pipeline.bus.client import Bus
 from pipeline.bus.codec import decode_entry
 from pipeline.bus.schema import RolloutGroup, WeightsPublished
 from pipeline.config import load_config
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.weights import FileTransport
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import wait_for_async
 from workers.generator import Generator

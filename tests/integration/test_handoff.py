@@ -13,7 +13,7 @@ from pipeline.bus.client import Bus
 from pipeline.bus.codec import decode_entry, encode
 from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP, Keys
 from pipeline.bus.schema import ScoredGroup
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import make_group, run_header, spawn_role, wait_for, write_config
 

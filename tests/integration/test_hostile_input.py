@@ -45,8 +45,8 @@ from pipeline.bus.keys import ARCHIVERS_GROUP, SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger, read_ledgers
 from pipeline.bus.schema import RunFinished, WeightsPublished
 from pipeline.config import Config, load_config
-from pipeline.ops.monitor import snapshot
 from pipeline.runtime import limits
+from sluice.monitor import snapshot
 from tests.conftest import arun
 from tests.helpers import make_group
 from tests.integration.test_bad_input import COMMON, SCORED_ONLY, _mutated, _poison

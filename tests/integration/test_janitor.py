@@ -18,8 +18,8 @@ import pytest
 from pipeline.bus import scripts as lua
 from pipeline.bus.client import Bus
 from pipeline.bus.keys import SCORERS_GROUP
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.ports import free_port
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import wait_for_async
 

@@ -18,7 +18,7 @@ import pytest
 from pipeline.bus.client import Bus
 from pipeline.bus.keys import SCORERS_GROUP
 from pipeline.config import load_config
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import wait_for_async
 from workers.generator import Generator

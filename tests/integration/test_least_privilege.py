@@ -4,7 +4,7 @@ with `sluice acl`'s users (the `acl` fixture of test_security.py):
 - a role that forges ``state.version`` (every writing role may HSET ``state``: its
   scripts write it) cannot make a resuming trainer trust it (`pipeline.bus.version_check`);
 - a role writes only its own role's heartbeats (`workers:<role>`);
-- a child of `sluice up` holds only its own role's password (`pipeline.ops.up_credentials`).
+- a child of `sluice up` holds only its own role's password (`sluice.up_credentials`).
 
 Every server and process is started by the fixtures and ended by PID.
 """
@@ -106,9 +106,9 @@ def test_sluice_up_gives_each_role_only_its_own_password(tmp_path: Path,
     import signal
     import time
 
-    from pipeline.ops.acl import make_acl
-    from pipeline.ops.up import Supervisor
     from pipeline.ports import free_port
+    from sluice.acl import make_acl
+    from sluice.up import Supervisor
     from tests.helpers import run_header
 
     done = make_acl(tmp_path / "acl", RUN)

@@ -14,8 +14,8 @@ from pipeline.bus.client import Bus
 from pipeline.bus.keys import SCORERS_GROUP, Keys
 from pipeline.config import MetricsConfig
 from pipeline.metrics import RoleMetrics
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.runtime import Heartbeat
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import ROOT, loopback_listener, run_header
 from tests.helpers import metric_value as value
@@ -87,7 +87,7 @@ def test_a_role_whose_metrics_port_is_in_use_exits_2_naming_it(
     busy = loopback_listener()
     port = busy.getsockname()[1]
     try:
-        p = subprocess.run([sys.executable, "-m", "pipeline.ops.cli", "score", str(cfg),
+        p = subprocess.run([sys.executable, "-m", "sluice.cli", "score", str(cfg),
                             "--set", f"metrics.port={port}"], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
     finally:

@@ -11,9 +11,9 @@ import pytest
 from pipeline.bus.client import Bus
 from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.config import ConfigError, load_config
-from pipeline.ops.embedded import EmbeddedRedis
-from pipeline.ops.monitor import snapshot
 from pipeline.runtime import connect
+from sluice.embedded import EmbeddedRedis
+from sluice.monitor import snapshot
 from tests.conftest import arun
 
 

@@ -18,8 +18,8 @@ from pipeline.bus.codec import decode_entry, encode
 from pipeline.bus.keys import SCORERS_GROUP
 from pipeline.bus.schema import ScoredGroup
 from pipeline.config import ConfigError, load_config
-from pipeline.ops.embedded import EmbeddedRedis
-from pipeline.ops.monitor import snapshot
+from sluice.embedded import EmbeddedRedis
+from sluice.monitor import snapshot
 from tests.conftest import arun
 from tests.helpers import make_group, wait_for_async
 from workers.scorer import Scorer

@@ -16,7 +16,7 @@ from pipeline.bus.audit import audit
 from pipeline.bus.schema import ScoredGroup
 from pipeline.config import load_config
 from pipeline.model import load_model
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import make_group
 from tests.integration.test_scorer import _score_all

@@ -23,7 +23,7 @@ from pipeline.bus.client import Bus
 from pipeline.bus.codec import encode, peek_group_id
 from pipeline.bus.keys import SCORERS_GROUP, Keys
 from pipeline.config import load_config
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import make_group, run_header, spawn_role, wait_for, write_config
 from workers.scorer import Scorer

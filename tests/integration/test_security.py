@@ -32,8 +32,8 @@ import redis
 from pipeline.bus.client import Bus
 from pipeline.bus.keys import SCORERS_GROUP, TRAINERS_GROUP, Keys
 from pipeline.bus.security import Credentials, load_credentials_file
-from pipeline.ops.monitor import snapshot
 from pipeline.ports import free_port
+from sluice.monitor import snapshot
 from tests.helpers import ROOT, RedisProcess, make_certs, role_logs, run_header, tls_args
 
 pytestmark = pytest.mark.integration
@@ -42,7 +42,7 @@ RUN = f"sec{uuid.uuid4().hex[:6]}"
 
 
 def sluice(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline.ops.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "sluice.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 

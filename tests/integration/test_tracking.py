@@ -15,8 +15,8 @@ from pipeline.bus.client import Bus
 from pipeline.bus.codec import encode
 from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.bus.schema import ScoredGroup
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.tracking import trainer_metrics
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import make_group, run_header, spawn_role, write_config
 

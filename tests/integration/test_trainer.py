@@ -15,8 +15,8 @@ from pipeline.bus.codec import encode
 from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.bus.schema import ScoredGroup, WeightsPublished
 from pipeline.config import Config, load_config
-from pipeline.ops.embedded import EmbeddedRedis
-from pipeline.ops.monitor import snapshot
+from sluice.embedded import EmbeddedRedis
+from sluice.monitor import snapshot
 from tests.conftest import arun
 from tests.helpers import make_group
 from trainer.trainer import StaleSampleError, Trainer

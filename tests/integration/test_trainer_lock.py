@@ -19,8 +19,8 @@ from pipeline.bus.client import Bus
 from pipeline.bus.codec import encode
 from pipeline.bus.fencing import FencedOut
 from pipeline.bus.schema import WeightsPublished
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.ports import free_port
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import wait_for_async
 from trainer.lock import TrainerLock, TrainerLockHeld, TrainerLockLost

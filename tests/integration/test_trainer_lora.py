@@ -13,8 +13,8 @@ from pipeline.bus.client import Bus
 from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.config import Config, load_config
 from pipeline.model import adapter_state, load_policy
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.weights import ADAPTER_FILE, LoraTransport
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.integration.test_trainer import _scored
 from trainer.trainer import Trainer

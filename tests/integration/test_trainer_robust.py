@@ -26,7 +26,7 @@ from pipeline.bus.codec import decode, encode
 from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.bus.schema import ScoredGroup
 from pipeline.config import Config, load_config
-from pipeline.ops.embedded import EmbeddedRedis
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import make_group
 from trainer.trainer import StaleSampleError, Trainer

@@ -30,7 +30,6 @@ import torch
 from pipeline.bus.schema import WeightsPublished
 from pipeline.config import ConfigError, load_config
 from pipeline.model import adapter_state, init_tiny_model
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.ports import free_port
 from pipeline.weights import (
     MANIFEST,
@@ -44,6 +43,7 @@ from pipeline.weights import (
     table_sha256,
 )
 from pipeline.weights.s3 import S3WeightStore
+from sluice.embedded import EmbeddedRedis
 from tests.conftest import arun
 from tests.helpers import ROOT
 from tests.seaweed import SeaweedFS
@@ -321,7 +321,7 @@ def test_sluice_up_refuses_a_bad_store_before_any_role_starts(s3: SeaweedFS,
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update({"PYTHONPATH": str(ROOT), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
                 "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_EC2_METADATA_DISABLED": "true"})
-    base = [sys.executable, "-m", "pipeline.ops.cli", "up", str(ROOT / "examples/copy.toml"),
+    base = [sys.executable, "-m", "sluice.cli", "up", str(ROOT / "examples/copy.toml"),
             "--set", f"run.output_dir={out}", "--set", f"weights.endpoint_url={s3.endpoint}"]
     bucket = s3.bucket()
     for store, extra_env, want in [

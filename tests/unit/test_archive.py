@@ -179,7 +179,7 @@ def test_the_audit_counts_archived_groups_and_finds_what_the_archive_lost(tmp_pa
 
 
 def test_trace_tells_a_groups_life_and_refuses_an_unknown_one(tmp_path: Path, capsys) -> None:
-    from pipeline.ops.trace import main
+    from sluice.trace import main
 
     rows = [ev("admitted", "0:7", "generator", 10.0, cursor=3, gate_wait_s=0.25),
             ev("emitted", "0:7", "generator", 10.5, cursor=3, version=2),
@@ -202,7 +202,7 @@ def test_status_shows_the_archive_backlog_and_the_waits_per_hop() -> None:
     from rich.console import Console
 
     from pipeline.metrics import RoleMetrics
-    from pipeline.ops.monitor import render_status
+    from sluice.monitor import render_status
 
     m = RoleMetrics("scorer", "scorer/s0")
     for x in range(100):

@@ -197,7 +197,7 @@ def test_settle_writes_intent_then_only_the_events_that_happened(tmp_path: Path)
 
 def test_sluice_audit_exits_0_clean_1_on_violations_2_without_a_ledger(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.ops.cli import main
+    from sluice.cli import main
 
     (tmp_path / "run").mkdir()
     run = write(tmp_path / "run", clean_history())

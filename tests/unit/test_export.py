@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.config import Config
 from pipeline.model import apply_lora, init_tiny_model, load_model, load_tokenizer
-from pipeline.ops.cli import main as cli_main
-from pipeline.ops.export import ExportError, export_run
 from pipeline.weights import MANIFEST, WeightError, make_transport
+from sluice.cli import main as cli_main
+from sluice.export import ExportError, export_run
 from trainer.checkpoint import Checkpointer, TrainerState
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def make_config(run_dir: Path, model_dir: Path, lora: dict[str, Any] | None = No
 
 
 def write_run_json(cfg: Config, model_dir: Path) -> None:
-    """run.json as the run writes it at start (the contract in pipeline/ops/export.py)."""
+    """run.json as the run writes it at start (the contract in sluice/export.py)."""
     cfg.output_path.mkdir(parents=True, exist_ok=True)
     (cfg.output_path / "run.json").write_text(json.dumps(
         {"format": 1, "config": cfg.model_dump(mode="json"),
@@ -270,7 +270,7 @@ def test_push_to_hub_fails_with_a_message_before_exporting(
              if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE",
                           "TRANSFORMERS_OFFLINE")}
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.ops.cli", "export", str(cfg.output_path), "--out",
+        [sys.executable, "-m", "sluice.cli", "export", str(cfg.output_path), "--out",
          str(tmp_path / "out"), "--push-to-hub", "someone/tiny"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**clean, "HF_HOME": str(tmp_path / "hf"), **env})

@@ -1,4 +1,4 @@
-"""`pipeline.ops.hang_report`: what `/proc` says of each thread of a real hung process.
+"""`sluice.hang_report`: what `/proc` says of each thread of a real hung process.
 
 The child names one thread (``PR_SET_NAME``, as native libraries name theirs) and blocks
 it in a known system call: ``read`` on a pipe nobody writes to.
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline.ops.hang_report import hang_report, native_stacks, syscall_name, thread_states
 from pipeline.runtime import HANG_REPORT_MARK, log_tail
+from sluice.hang_report import hang_report, native_stacks, syscall_name, thread_states
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="/proc is Linux's")
 

@@ -8,7 +8,7 @@ from redis.crc import key_slot
 
 from pipeline.bus.keys import Keys, lane_tags
 from pipeline.bus.lanes import Lanes, add_states
-from pipeline.ops.acl import with_lanes
+from sluice.acl import with_lanes
 
 
 @pytest.mark.parametrize("run", ["copy", "e2e", "t0123456789", "a.b-c_d"])

@@ -5,11 +5,11 @@ licence for an arrow that points up).
 Bottom to top:
 1. `pipeline/bus/`: imports nothing of sluice outside itself;
 2. the rest of `pipeline/` (config, runtime, weights, RL maths, model loading, ...):
-   the bus and itself only; never a role, never `pipeline/ops/`;
+   the bus and itself only; never a role, never `sluice/`;
 3. the roles, `workers/` and `trainer/`: `pipeline/` below them and their own package;
-   never `pipeline/ops/`, never each other; within `workers/` no module imports a role
+   never `sluice/`, never each other; within `workers/` no module imports a role
    module (the generator, the scorer, the evaluator) other than itself;
-4. `pipeline/ops/` (the CLI, `sluice up`, monitor, report, export): anything; it alone
+4. `sluice/` (the CLI, `sluice up`, monitor, report, export): anything; it alone
    starts roles.
 And no import circle anywhere.
 """
@@ -20,7 +20,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("pipeline", "workers", "trainer")
+PACKAGES = ("pipeline", "workers", "trainer", "sluice")
 WORKER_ROLES = ("workers.generator", "workers.scorer", "workers.evaluator")
 
 
@@ -62,7 +62,7 @@ def within(name: str, prefix: str) -> bool:
 def layer(name: str) -> str:
     if within(name, "pipeline.bus"):
         return "bus"
-    if within(name, "pipeline.ops"):
+    if within(name, "sluice"):
         return "ops"
     if within(name, "pipeline"):
         return "foundation"
@@ -137,21 +137,21 @@ def test_the_checks_see_each_kind_of_violation() -> None:
     """The rules could not pass vacuously: each forbidden arrow is found, and a circle."""
     bad = violations({
         "pipeline.bus.client": {"pipeline.config"},
-        "pipeline.runtime": {"pipeline.ops.cli"},
+        "pipeline.runtime": {"sluice.cli"},
         "pipeline.weights.file": {"trainer.step"},
-        "workers.engines.vllm_server": {"pipeline.ops.embedded"},
+        "workers.engines.vllm": {"sluice.embedded"},
         "trainer.trainer": {"workers.tasks.catalog"},
         "workers.evaluator": {"workers.scorer"},
         "workers.tasks.rewards": {"workers.generator"},
         "workers.scorer": {"workers.tasks.rewards", "pipeline.bus.client"},
-        "pipeline.ops.cli": {"workers.generator", "trainer.trainer"},
+        "sluice.cli": {"workers.generator", "trainer.trainer"},
     })
     assert bad == [
         "pipeline.bus.client (bus) imports pipeline.config (foundation)",
-        "pipeline.runtime (foundation) imports pipeline.ops.cli (ops)",
+        "pipeline.runtime (foundation) imports sluice.cli (ops)",
         "pipeline.weights.file (foundation) imports trainer.step (role)",
         "trainer.trainer imports the other role package: workers.tasks.catalog",
-        "workers.engines.vllm_server (role) imports pipeline.ops.embedded (ops)",
+        "workers.engines.vllm (role) imports sluice.embedded (ops)",
         "workers.evaluator imports the role module workers.scorer",
         "workers.tasks.rewards imports the role module workers.generator",
     ]
@@ -161,6 +161,6 @@ def test_the_checks_see_each_kind_of_violation() -> None:
 def test_imports_are_read_from_functions_and_type_checking_blocks(tmp_path: Path) -> None:
     src = tmp_path / "m.py"
     src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                   "    from pipeline.ops.up import Supervisor\n"
+                   "    from sluice.up import Supervisor\n"
                    "def f():\n    from trainer import trainer\n")
-    assert imports_of(src, {"trainer.trainer"}) == {"pipeline.ops.up", "trainer.trainer"}
+    assert imports_of(src, {"trainer.trainer"}) == {"sluice.up", "trainer.trainer"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from pipeline.ops.monitor import render_status
+from sluice.monitor import render_status
 
 
 def test_status_shows_servers_in_rotation_caps_and_an_unhealthy_generator() -> None:
@@ -24,7 +24,7 @@ def test_status_shows_servers_in_rotation_caps_and_an_unhealthy_generator() -> N
 
 
 def test_lease_summary_counts_per_owner_with_the_oldest_deadline() -> None:
-    from pipeline.ops.monitor import lease_summary
+    from sluice.monitor import lease_summary
 
     raw = {b"3": b"generator/g0|10500", b"4": b"generator/g0|12000",
            b"5": b"generator/g1|9000", b"6": b"garbage"}

@@ -1,8 +1,8 @@
-"""sluice up's restart policy (pipeline.ops.restarts): backoff and giving up, by hand."""
+"""sluice up's restart policy (sluice.restarts): backoff and giving up, by hand."""
 
 from __future__ import annotations
 
-from pipeline.ops.restarts import RestartPolicy
+from sluice.restarts import RestartPolicy
 
 
 def test_backoff_doubles_per_crash_and_the_role_is_given_up_after_max_restarts() -> None:

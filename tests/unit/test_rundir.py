@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import Config, ConfigError, load_config
-from pipeline.ops.cli import main as sluice
 from pipeline.rundir import (
     RUN_FILE,
     check_fresh,
@@ -21,6 +20,7 @@ from pipeline.rundir import (
     read_run,
     write_first,
 )
+from sluice.cli import main as sluice
 from tests.helpers import add_hub_snapshot, build_bpe_model
 
 SHA1, SHA2 = "a" * 40, "b" * 40

@@ -1,4 +1,4 @@
-"""pipeline.bus.security and pipeline.ops.acl without Redis: credential lookup order, the
+"""pipeline.bus.security and sluice.acl without Redis: credential lookup order, the
 credentials file's permissions, ACL rendering, TLS options, the config checks."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pipeline.bus.security import (
     write_credentials_file,
 )
 from pipeline.config import ConfigError, load_config
-from pipeline.ops.acl import TEMPLATE, logical_lines, make_acl, password_hash, render, username
-from pipeline.ops.cli import main as cli
+from sluice.acl import TEMPLATE, logical_lines, make_acl, password_hash, render, username
+from sluice.cli import main as cli
 
 
 def _creds_file(tmp_path: Path, mode: int = 0o600) -> Path:

@@ -7,7 +7,7 @@ import numpy as np
 
 from pipeline.bus.codec import decode, encode
 from pipeline.bus.schema import ScoredGroup
-from pipeline.ops.monitor import describe
+from sluice.monitor import describe
 from tests.helpers import make_group
 
 

@@ -88,7 +88,7 @@ def test_a_task_filtered_by_prompt_length_makes_the_archiver_load_the_tokenizer(
 
 
 def test_the_archiver_role_imports_neither_torch_nor_transformers() -> None:
-    code = ("import sys, workers.archiver, pipeline.ops.cli; "
+    code = ("import sys, workers.archiver, sluice.cli; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).parents[2])

@@ -15,7 +15,6 @@ import pytest
 
 from pipeline.bus.schema import ScoredGroup
 from pipeline.config import ConfigError, load_config
-from pipeline.ops import cli
 from pipeline.tracking import (
     TRL_NAMES,
     Tracker,
@@ -25,6 +24,7 @@ from pipeline.tracking import (
     run_name,
     trainer_metrics,
 )
+from sluice import cli
 from tests.helpers import make_group
 from trainer.stats import rollout_stats, step_tokens
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config import load_config
-from pipeline.ops.samples import ScorerSamples
-from pipeline.ops.up import Supervisor, status_line
+from sluice.samples import ScorerSamples
+from sluice.up import Supervisor, status_line
 
 
 def _snap(scorers: dict[str, dict[str, Any]], dlq: int) -> dict[str, Any]:

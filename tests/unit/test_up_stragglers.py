@@ -1,6 +1,6 @@
 """`sluice up` stops a role that ignores SIGTERM: it first asks it for its threads'
 stacks (`pipeline.runtime.STACKS_SIGNAL`), which land in the role's log, writes what
-`/proc` says of each thread there (`pipeline.ops.hang_report`), then kills it."""
+`/proc` says of each thread there (`sluice.hang_report`), then kills it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import load_config
-from pipeline.ops.up import Child, Supervisor
+from sluice.up import Child, Supervisor
 from tests.helpers import ROOT, wait_for
 
 # A role stuck at exit: SIGTERM ignored, the main thread joining a thread that never ends

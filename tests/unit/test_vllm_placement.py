@@ -1,12 +1,12 @@
 """Where `sluice up` runs its vLLM servers and in which order they start.
 
-The GPU assignment (`pipeline.ops.up_servers.plan_servers`) is a pure function, checked
+The GPU assignment (`sluice.up_servers.plan_servers`) is a pure function, checked
 here for every rule it keeps: with ``weight_transfer = "nccl"`` the trainer's GPUs and the
 servers' GPUs are disjoint (NCCL refuses two ranks of one group on one GPU), a machine
 that cannot give them that is refused before any process starts, a parent's
 ``CUDA_VISIBLE_DEVICES`` is indexed (never overwritten by a bare index), and servers
 sharing a GPU start one after another and split ``gpu_memory_utilization``. The launcher
-(`workers.engines.vllm_server.launch`) is run against fake servers (real processes on
+(`sluice.vllm_server.launch`) is run against fake servers (real processes on
 127.0.0.1 that only answer ``/health``), so the start order is observed, not assumed.
 """
 
@@ -23,15 +23,15 @@ from typing import Any
 import pytest
 
 from pipeline.config import Config, ConfigError, load_config
-from pipeline.ops import up_servers
-from pipeline.ops.up_servers import (
+from sluice import up_servers
+from sluice.up_servers import (
     Placement,
     plan_servers,
     trainer_gpu_indices,
     visible_devices,
     vllm_specs,
 )
-from workers.engines.vllm_server import ServerError, ServerSpec, launch
+from sluice.vllm_server import ServerError, ServerSpec, launch
 
 
 def _plan(generators: int, evals: int, visible: list[str], trainer: list[int], *,
@@ -181,7 +181,7 @@ def test_vllm_specs_follow_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_up_refuses_nccl_on_one_gpu_before_any_process_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.ops import up
+    from sluice import up
 
     _fake_machine(monkeypatch, ["0"])
     started: list[str] = []

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline.model import load_model
-from pipeline.ops.export import export_run
+from sluice.export import export_run
 from tests.unit.test_export import make_run
 from tests.vllm.conftest import VLLMServer
 from workers.engines import SamplingParams

@@ -29,9 +29,9 @@ from pipeline.bus.codec import decode_entry
 from pipeline.bus.keys import Keys
 from pipeline.bus.schema import RolloutGroup
 from pipeline.model import load_model, model_state_for_publish
-from pipeline.ops.embedded import EmbeddedRedis
 from pipeline.vllm_auth import auth_headers, vllm_api_key
 from pipeline.weights import FileTransport
+from sluice.embedded import EmbeddedRedis
 from tests.helpers import run_header, spawn_role, wait_for, write_config
 from tests.vllm.conftest import VLLMServer
 from workers.engines.vllm import VLLMEngine

@@ -26,10 +26,10 @@ import torch
 
 from pipeline.model import init_tiny_model, load_model
 from pipeline.weights import INDEX, FileTransport
+from sluice.vllm_server import LocalServer, ServerSpec
 from tests.vllm.conftest import START_TIMEOUT_S, vllm_python_or_skip
 from workers.engines import SamplingParams
 from workers.engines.vllm import VLLMEngine
-from workers.engines.vllm_server import LocalServer, ServerSpec
 
 PROMPTS = [[10, 11, 12, 13, 66], [20, 21, 22, 66], [30, 31, 66]]
 N, MAX_NEW, TEMPERATURE = 4, 16, 1.0

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from pipeline.config import Config, ConfigError
 from pipeline.vllm_auth import run_key
-from workers.engines.vllm_server import ServerSpec
+from sluice.vllm_server import ServerSpec
 
 
 def urls_override(urls: list[str]) -> list[str]:
@@ -183,7 +183,7 @@ def vllm_specs(cfg: Config) -> list[ServerSpec]:
     v = cfg.generation.vllm
     python = Path(v.python).absolute()
     if not python.exists():
-        python = Path(__file__).resolve().parents[2] / v.python  # relative to the checkout
+        python = Path(__file__).resolve().parents[1] / v.python  # relative to the checkout
     lora = cfg.model.lora
     model = resolve_model(cfg.model.path, cfg.model.revision).local_dir
     nccl = NCCL_ARGS if v.weight_transfer == "nccl" else []

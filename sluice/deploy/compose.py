@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.hub import is_hub_id
-from pipeline.ops.deploy.files import Rendered, dump_yaml
-from pipeline.ops.deploy.plan import (
+from sluice.deploy.files import Rendered, dump_yaml
+from sluice.deploy.plan import (
     DATA_DIR,
     Plan,
     Proc,
@@ -29,7 +29,7 @@ from pipeline.ops.deploy.plan import (
     credentials_env,
     needs_s3,
 )
-from pipeline.ops.deploy.runconfig import run_config
+from sluice.deploy.runconfig import run_config
 
 CONFIG = "/etc/sluice/run.toml"
 

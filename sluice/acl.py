@@ -27,7 +27,7 @@ from pathlib import Path
 from pipeline.bus.keys import LANE_SEP, Keys
 from pipeline.bus.security import ROLES, Credentials, new_password, write_credentials_file
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "redis" / "users.acl"
+TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "redis" / "users.acl"
 USERNAME_PREFIX = "sluice-"
 
 

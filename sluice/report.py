@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeline.config import Config
 from pipeline.evaluation import first_reaching, parse_target
-from pipeline.ops.samples import ScorerSamples
+from sluice.samples import ScorerSamples
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

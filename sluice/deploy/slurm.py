@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.hub import is_hub_id
-from pipeline.ops.deploy.files import Rendered
-from pipeline.ops.deploy.plan import (
+from sluice.deploy.files import Rendered
+from sluice.deploy.plan import (
     ARCHIVER_NAME,
     Plan,
     Proc,
@@ -35,7 +35,7 @@ from pipeline.ops.deploy.plan import (
     credentials_toml,
     slurm_mem_mb,
 )
-from pipeline.ops.deploy.runconfig import run_config
+from sluice.deploy.runconfig import run_config
 
 SCRIPT = "sluice.sbatch"
 TRAINER, GENERATORS = 0, 1  # het components
@@ -237,7 +237,7 @@ def script(plan: Plan) -> str:
                 f"--nproc-per-node={plan.ranks_per_node} \\",
                 f'  --rdzv-backend=c10d --rdzv-endpoint="$HEAD_ADDR:{d.rendezvous_port}" '
                 f'--rdzv-id="$SLURM_JOB_ID" --max-restarts={cfg.up.trainer_restarts} \\',
-                '  -m pipeline.ops.cli train "$CONFIG" "${BUS[@]}" &']
+                '  -m sluice.cli train "$CONFIG" "${BUS[@]}" &']
     else:
         opts = [f"--cpus-per-task={t.cpus}"] + ([f"--gpus={t.gpus}"] if t.gpus else [])
         out += [f"step 0 \"${{TRAINER_NODES[0]}}\" trainer-0 trainer {' '.join(opts)} -- \\",

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, ConfigError, apply_override
-from pipeline.ops.deploy.files import dump_toml
-from pipeline.ops.deploy.plan import Plan
+from sluice.deploy.files import dump_toml
+from sluice.deploy.plan import Plan
 
 
 def raw_config(config: str | Path, overrides: Sequence[str]) -> dict[str, Any]:

@@ -151,13 +151,13 @@ def _deploy(args: argparse.Namespace) -> int:
     """`sluice deploy render|wait`: a refused config exits 2 before anything is written
     (the caller's ConfigError path); a wait that times out exits 1."""
     if args.deploy_cmd == "render":
-        from pipeline.ops.deploy import render
+        from sluice.deploy import render
 
         written = render(args.config, args.overrides, args.target, args.out, force=args.force)
         print(f"wrote {len(written)} files for {args.target} in {args.out} "
               "(docs/deploying.md says how to start them)")
         return 0
-    from pipeline.ops.deploy.wait import WaitTimeout, wait
+    from sluice.deploy.wait import WaitTimeout, wait
 
     if not (args.redis or args.trainer or args.http):
         raise ValueError("sluice deploy wait: give --redis, --trainer and/or --http URL")
@@ -189,7 +189,7 @@ def _check_credentials(cfg: Config, cmd: str) -> None:
 
 
 def _acl(cfg: Config, args: argparse.Namespace) -> int:
-    from pipeline.ops.acl import make_acl
+    from sluice.acl import make_acl
 
     done = make_acl(args.out, None if args.all_runs else cfg.run.name, force=args.force)
     print(f"wrote {done.acl_file} (ACL users, passwords as sha256)\n"
@@ -249,7 +249,7 @@ def _preflight(cfg: Config, cmd: str) -> None:
 def _pin(cfg: Config, args: argparse.Namespace) -> Config:
     """The config a role runs with: checked against run.json in ``run.output_dir`` and
     with ``model.path`` the run's pinned folder (`pipeline.rundir`). `sluice up` pins
-    after ``--fresh`` and building the tiny model (`pipeline.ops.up.prepare`); the scorer
+    after ``--fresh`` and building the tiny model (`sluice.up.prepare`); the scorer
     loads no model, so it only checks an existing pin and never creates one."""
     from pipeline.rundir import pinned_config
 
@@ -265,8 +265,8 @@ def _status(cfg: Config, as_json: bool, watch_s: float) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from pipeline.ops.monitor import render_status, snapshot
     from pipeline.runtime import connect
+    from sluice.monitor import render_status, snapshot
 
     async def once() -> dict:
         bus = connect(cfg, role="monitor")
@@ -294,8 +294,8 @@ def _status(cfg: Config, as_json: bool, watch_s: float) -> int:
 
 
 def _tail(cfg: Config, stream: str, from_start: bool, count: int | None) -> int:
-    from pipeline.ops.monitor import tail
     from pipeline.runtime import connect
+    from sluice.monitor import tail
 
     async def go() -> None:
         bus = connect(cfg, role="monitor")
@@ -391,11 +391,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "audit":
             return _audit(args)
         if args.cmd == "export":
-            from pipeline.ops.export import main as export_main
+            from sluice.export import main as export_main
 
             return export_main(args)
         if args.cmd == "trace":
-            from pipeline.ops.trace import main as trace_main
+            from sluice.trace import main as trace_main
 
             return trace_main(args.run_dir, args.gid, args.json)
         if args.cmd == "replay":
@@ -408,13 +408,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_credentials(cfg, args.cmd)
         _preflight(cfg, args.cmd)
         if args.cmd == "up":
-            from pipeline.ops.up import prepare
+            from sluice.up import prepare
 
             cfg = prepare(cfg, fresh=args.fresh, allow_config_change=args.allow_config_change)
         elif args.cmd in ("generate", "score", "eval", "train", "archive"):
             cfg = _pin(cfg, args)
         if args.cmd == "archive" and args.dispositions:
-            from workers.archiver import write_dispositions
+            from pipeline.archive.store import write_dispositions
 
             print(f"wrote {write_dispositions(cfg)} dispositions")
             return 0
@@ -422,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sluice: {e}", file=sys.stderr)
         return 2
     if args.cmd == "up":
-        from pipeline.ops.up import run_up
+        from sluice.up import run_up
 
         return run_up(cfg, args.config, args.overrides, eval_every_s=args.eval_every)
     if args.cmd == "status":

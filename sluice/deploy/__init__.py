@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import load_config
-from pipeline.ops.deploy.files import Rendered, write_tree
-from pipeline.ops.deploy.plan import TARGETS, Plan, make_plan
-from pipeline.ops.deploy.runconfig import raw_config, run_config
+from sluice.deploy.files import Rendered, write_tree
+from sluice.deploy.plan import TARGETS, Plan, make_plan
+from sluice.deploy.runconfig import raw_config, run_config
 
 __all__ = ["TARGETS", "make_plan", "render", "render_files", "run_config"]
 
@@ -27,11 +27,11 @@ __all__ = ["TARGETS", "make_plan", "render", "render_files", "run_config"]
 def render_files(plan: Plan, data: Mapping[str, Any]) -> Rendered:
     """Every file of ``plan``'s target, in memory."""
     if plan.target == "slurm":
-        from pipeline.ops.deploy import slurm as target
+        from sluice.deploy import slurm as target
     elif plan.target == "k8s":
-        from pipeline.ops.deploy import k8s as target  # type: ignore[no-redef]
+        from sluice.deploy import k8s as target  # type: ignore[no-redef]
     else:
-        from pipeline.ops.deploy import compose as target  # type: ignore[no-redef]
+        from sluice.deploy import compose as target  # type: ignore[no-redef]
     return target.render(plan, data)
 
 

@@ -375,7 +375,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, version: int | None = No
 
 def main(args: argparse.Namespace) -> int:
     """The CLI's `export` branch: export, print what was written, push if asked."""
-    from pipeline.ops.export_hub import check_hub_ready, push_to_hub
+    from sluice.export_hub import check_hub_ready, push_to_hub
 
     token = check_hub_ready() if args.push_to_hub else None
     done = export_run(args.run_dir, args.out, version=args.version,

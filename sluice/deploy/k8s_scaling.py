@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.ops.deploy.plan import Plan
+from sluice.deploy.plan import Plan
 
 KEDA_API = "keda.sh/v1alpha1"
 KEDA_VERSION = "2.15"

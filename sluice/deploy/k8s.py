@@ -27,9 +27,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.hub import is_hub_id
-from pipeline.ops.deploy.files import Rendered, dump_yaml
-from pipeline.ops.deploy.k8s_scaling import labels, scaling_objects
-from pipeline.ops.deploy.plan import (
+from sluice.deploy.files import Rendered, dump_yaml
+from sluice.deploy.k8s_scaling import labels, scaling_objects
+from sluice.deploy.plan import (
     DATA_DIR,
     IMAGE_HOME,
     Plan,
@@ -38,7 +38,7 @@ from pipeline.ops.deploy.plan import (
     credentials_env,
     needs_s3,
 )
-from pipeline.ops.deploy.runconfig import run_config
+from sluice.deploy.runconfig import run_config
 
 CONFIG_DIR = "/etc/sluice"
 CONFIG = f"{CONFIG_DIR}/run.toml"
@@ -182,7 +182,7 @@ def _trainer(plan: Plan) -> list[dict[str, Any]]:
                    "--rdzv-backend=c10d",
                    f"--rdzv-endpoint={name}-0.{name}:{d.rendezvous_port}",
                    f"--rdzv-id={plan.name}", f"--max-restarts={cfg.up.trainer_restarts}",
-                   "-m", "pipeline.ops.cli", "train", CONFIG]
+                   "-m", "sluice.cli", "train", CONFIG]
     main = _container(plan, "trainer", _image(plan, t.gpus), command, role="trainer",
                       metrics=True, resources=_resources(t.cpus, t.gpus, t.memory_gib))
     pod = _pod(plan, [main], init, "OnFailure")

@@ -11,7 +11,7 @@ With ``up.metrics`` (the default) each role serves Prometheus ``/metrics`` on a 
 loopback port chosen at each (re)start (`pipeline.metrics`; `sluice status` lists them).
 
 Crashes: a role that exits abnormally (an error, ``kill -9``) is reported at once with
-the tail of its log and restarted after a backoff (`pipeline.ops.restarts`; the pipeline
+the tail of its log and restarted after a backoff (`sluice.restarts`; the pipeline
 survives the crash: leases, reclaim, the trainer's checkpoint); one that crashes more than
 ``up.max_restarts`` times within ``up.restart_window_s`` ends the run, named.
 
@@ -43,16 +43,16 @@ from pipeline.bus import control
 from pipeline.bus.security import COMMAND_ROLES
 from pipeline.config import Config, ConfigError
 from pipeline.evaluation import parse_target
-from pipeline.ops.embedded import EmbeddedRedis
-from pipeline.ops.hang_report import hang_report
-from pipeline.ops.monitor import snapshot
-from pipeline.ops.restarts import RestartPolicy
-from pipeline.ops.samples import ScorerSamples
-from pipeline.ops.up_credentials import role_credentials_override, role_env
-from pipeline.ops.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
 from pipeline.ports import free_port
 from pipeline.runtime import STACKS_SIGNAL, connect, freeze_for_exit, log_tail, redis_options
-from workers.engines.vllm_server import LocalServer, ServerSpec, launch, stop_all
+from sluice.embedded import EmbeddedRedis
+from sluice.hang_report import hang_report
+from sluice.monitor import snapshot
+from sluice.restarts import RestartPolicy
+from sluice.samples import ScorerSamples
+from sluice.up_credentials import role_credentials_override, role_env
+from sluice.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
+from sluice.vllm_server import LocalServer, ServerSpec, launch, stop_all
 
 STACKS_WAIT_S = 2.0  # for a role to write its stacks before it is killed
 TAIL_REACH_LINES = 800  # how far a failure report reaches back for a dump's start: its
@@ -103,19 +103,19 @@ class Supervisor:
         out = self.cfg.output_path
         (out / "logs").mkdir(parents=True, exist_ok=True)
         log = out / "logs" / f"{name}.log"
-        args = [sys.executable, "-m", "pipeline.ops.cli", role, self.config_path]
+        args = [sys.executable, "-m", "sluice.cli", role, self.config_path]
         if role == "train" and self.cfg.up.trainer_ranks > 1:  # one torchrun job
             args = [sys.executable, "-m", "torch.distributed.run",
                     "--nproc_per_node", str(self.cfg.up.trainer_ranks),
                     "--max-restarts", str(self.cfg.up.trainer_restarts),
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                    "-m", "pipeline.ops.cli", "train", self.config_path]
+                    "-m", "sluice.cli", "train", self.config_path]
         # its own /metrics port (up.metrics), fresh on every start: a restarted role never
         # waits for its old port, and one taken since `free_port` fails only that start
         port = free_port() if self.cfg.up.metrics else 0
         # each child logs in as its own role (pipeline.bus.security): it is pointed at a file
         # of its own role's credentials only, and inherits no other role's password or the
-        # every-role credentials file from the environment (pipeline.ops.up_credentials)
+        # every-role credentials file from the environment (sluice.up_credentials)
         own = role_credentials_override(self.cfg, COMMAND_ROLES[role])
         for o in [*self.overrides, f"bus.redis_url={self.cfg.redis_url}", f"metrics.port={port}",
                   *own]:
@@ -142,7 +142,7 @@ class Supervisor:
         return new
 
     def handle_crashes(self, policy: RestartPolicy) -> Child | None:
-        """Restart crashed roles (`pipeline.ops.restarts`): a crash is reported at once on
+        """Restart crashed roles (`sluice.restarts`): a crash is reported at once on
         stderr with the role's log tail, and the role is started again after its backoff.
         Returns the child to stop the run for (crashed once too often), else None."""
         now = time.time()
@@ -234,7 +234,7 @@ class Supervisor:
 
 
 def record_hang(ch: Child) -> None:
-    """Append `pipeline.ops.hang_report.hang_report` of a straggler (each rank of a
+    """Append `sluice.hang_report.hang_report` of a straggler (each rank of a
     torchrun job too) to its log, while it still hangs: thread names, states, kernel
     waits and system calls, and native stacks where a tool can attach (bounded). Best
     effort: a report that cannot be written is skipped, the kill goes on."""
@@ -470,7 +470,7 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
         for server in servers:  # they serve only the roles, all gone now: their shutdown
             server.terminate()  # (seconds each) overlaps the summary and the audit
         snap = loop.run_until_complete(_final_snapshot(cfg))
-        from pipeline.ops.report import summarize
+        from sluice.report import summarize
 
         ok = summarize(cfg, sup.samples, snap, reason)
         ok = loop.run_until_complete(audit_run(cfg)) and ok
@@ -502,7 +502,7 @@ def archive_dispositions(cfg: Config) -> None:
     ``sluice archive RUN.toml --dispositions`` writes it later."""
     if not (cfg.archive.enabled and cfg.run.ledger):
         return
-    from workers.archiver import write_dispositions
+    from pipeline.archive.store import write_dispositions
 
     try:
         n = write_dispositions(cfg)

@@ -42,7 +42,7 @@ from pipeline.ports import free_port
 from pipeline.vllm_auth import API_KEY_ENV
 from workers.engines.vllm_guard import MIDDLEWARE as GUARD_MIDDLEWARE
 
-CHECKOUT = Path(__file__).resolve().parents[2]  # holds `workers`, for the guard's import
+CHECKOUT = Path(__file__).resolve().parents[1]  # holds `workers`, for the guard's import
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """What `sluice up` samples while a run goes: the scorers' counters, summed over the
-scorers, at each progress tick. The progress line (`pipeline.ops.up`) and the end-of-run
-summary and reward plot (`pipeline.ops.report`) read them; neither owns the other."""
+scorers, at each progress tick. The progress line (`sluice.up`) and the end-of-run
+summary and reward plot (`sluice.report`) read them; neither owns the other."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class ScorerSamples:
         return self.samples[-1] if self.samples else None
 
     def record(self, snap: dict[str, Any]) -> None:
-        """Add the scorers' counters of a `pipeline.ops.monitor.snapshot`."""
+        """Add the scorers' counters of a `sluice.monitor.snapshot`."""
         n = reward = exact = 0.0
         for wid, w in snap["workers"].items():
             if wid.startswith("scorer/"):
