@@ -66,8 +66,8 @@ _ASYNCIO_IO = tuple(f"{_ASYNCIO_DIR}/{m}.py" for m in (
 _REDIS_IO = ("/redis/asyncio/connection.py", "/redis/connection.py")
 _REDIS_PARSERS = "/redis/_parsers/"
 # redis-py functions in those modules that only pack a command: a bad argument of the
-# caller is raised there and must surface
-_PACKING = frozenset({"pack_command", "pack_commands", "_pack_command"})
+# caller is raised there and must surface (redis-py 8 packs in its serializers' `pack`)
+_PACKING = frozenset({"pack_command", "pack_commands", "_pack_command", "pack"})
 
 
 def transient(e: BaseException) -> bool:
