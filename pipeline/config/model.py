@@ -1,0 +1,112 @@
+"""What is trained and on what (`[model]`, `[model.lora]`, `[task]`): every role loads
+the same model snapshot and the same task, so these sections are read by all of them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.config.base import _Section
+
+
+class LoraConfig(_Section):
+    rank: int = Field(8, ge=1, le=256)
+    """LoRA rank r (vLLM servers need ``--max-lora-rank`` at least this)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA input during training (0 keeps trainer and engine identical)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                 "gate_proj", "up_proj", "down_proj"], min_length=1)
+    """Module names that get adapters (peft's target_modules)."""
+
+
+class ModelConfig(_Section):
+    path: str = "runs/models/tiny-char"
+    """A local model folder (HF format) or a hub id ``org/name``, fetched through the
+    Hugging Face cache (HF_HOME, HF_HUB_OFFLINE honoured). A path that exists, is absolute
+    or starts with ./ is a folder. Resolved once per run and pinned in
+    output_dir/run.json: every role and resume loads that snapshot."""
+    revision: str = Field("main", pattern=r"^[A-Za-z0-9_./-]+$", max_length=256)
+    """Branch, tag or commit of a hub id (ignored for a folder); the commit it points to
+    when the run starts is pinned, so a moved branch does not change a resumed run."""
+    init: Literal["", "tiny-char-qwen2"] = "tiny-char-qwen2"
+    """If the folder `path` does not exist yet, `sluice up` builds this model there
+    ('' = never; never for a hub id)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of every role's copy of the model. The trainer keeps its parameters
+    and optimizer state in float32 and computes in this dtype under autocast unless
+    ``trainer.fp32_master`` is false (then parameters and AdamW state are this dtype)."""
+    attn_implementation: str = Field("sdpa", pattern=r"^[\w./-]{1,128}$")
+    """transformers' attention: `sdpa` (CPU and GPU; the packed layouts' masks),
+    `eager`, `flash_attention_2`, or a `kernels` hub repo such as
+    ``kernels-community/flash-attn2`` (CUDA; varlen packing, no prefix sharing)."""
+    lora: LoraConfig | None = None
+    """Set (``[model.lora]``) to train a peft LoRA adapter on the frozen base instead of all
+    weights; the `lora` weight store then publishes only the adapter per version."""
+
+
+class TaskConfig(_Section):
+    name: Literal["copy", "reverse", "add", "guess", "jsonl", "hf", "reasoning_gym"] = "copy"
+    """Built-in task (copy, reverse, add), `jsonl` (a JSONL file: `path`), `hf` (any
+    dataset `datasets` loads: `dataset`) or `reasoning_gym` (`dataset` names one of
+    reasoning-gym's procedural datasets, generated offline; its verifier is the reward)."""
+    path: str = ""
+    """Data file of the `jsonl` task (one JSON object per line, columns as `hf`'s)."""
+    dataset: str = ""
+    """`hf` task: a hub id (through the HF cache; offline roles need it cached), a
+    `save_to_disk` folder, a data file (.jsonl/.json/.csv/.parquet/.arrow/.txt) or a
+    folder of data files."""
+    split: str = "train"
+    """`hf` task: the training split (slices such as ``train[:1000]`` work except for
+    `save_to_disk` folders)."""
+    dataset_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the dataset: `datasets.load_dataset`'s for `hf` (``{name =
+    "main"}`` picks a configuration, as GSM8K's), reasoning-gym's `create_dataset`'s for
+    `reasoning_gym` (``{min_word_len = 3}``)."""
+    eval_split: str = ""
+    """Split of held-out prompts (minus duplicates and training prompts); empty = a stable
+    hash split of `split` (about 5%)."""
+    eval_dataset: str = ""
+    """`hf`: held-out prompts from a dataset or data file of their own (same columns;
+    its `eval_split`, default "train") instead of from `dataset`."""
+    prompt_column: str = Field("prompt", min_length=1)
+    """Column holding the prompt: a string, or a conversation ``[{role, content}, …]``
+    (TRL's conversational format, rendered with the chat template)."""
+    answer_column: str = ""
+    """Column holding the expected answer, also passed to rewards as ``answer`` (empty =
+    the column `answer` if any). Every column reaches rewards under its own name anyway."""
+    rename_columns: dict[str, str] = Field(default_factory=dict)
+    """`hf`: columns renamed after loading (old = new), as `Dataset.rename_columns`, e.g.
+    ``{answer = "solution"}`` for a reward that reads `solution` (TRL's accuracy_reward);
+    the column keys above name the new names."""
+    conversational: bool = False
+    """`hf`: a string prompt becomes one user message, so rewards get prompts and
+    completions as message lists (TRL's conversational format, which e.g. TRL's
+    accuracy_reward expects)."""
+    system_prompt: str = ""
+    """Prepended as a system message when a prompt is rendered with the chat template
+    (not to a conversation that has one); rewards see the prompt as in the data."""
+    max_prompt_tokens: int = Field(0, ge=0)
+    """Data tasks: prompts longer than this many tokens once rendered are left out, the
+    same in every role, and counted in the log (0 = keep all)."""
+    num_prompts: int = Field(20_000, ge=1)
+    """Training prompts of a procedural task (one epoch)."""
+    heldout: int = Field(256, ge=1)
+    """Held-out prompts for the greedy exact-match evaluation."""
+
+    @model_validator(mode="after")
+    def _check_source(self) -> TaskConfig:
+        if self.name == "hf" and not self.dataset:
+            raise ValueError("task.dataset: the hf task needs a dataset (hub id or path)")
+        if self.name == "jsonl" and not (self.path or self.dataset):
+            raise ValueError("task.path: the jsonl task needs a JSONL file")
+        if self.name == "reasoning_gym" and not self.dataset:
+            raise ValueError("task.dataset: the reasoning_gym task needs a reasoning-gym "
+                             "dataset name, e.g. spell_backward")
+        if self.name in ("copy", "reverse", "add") and (self.path or self.dataset):
+            key = "task.path" if self.path else "task.dataset"
+            raise ValueError(f"{key}: task {self.name!r} is procedural and reads no data")
+        return self

@@ -1,0 +1,187 @@
+"""The one config type: a run described by one TOML file, read by every role.
+
+`Config` gathers the sections and the rules that join them. Each section checks its own
+keys; a rule that reads two sections (the engine and its servers, the micro-batch and
+the longest rollout, ``up.stop_at`` and the evaluator's metrics, ...) is a function here,
+one per rule, each raising ValueError with a message that starts with the dotted key to
+change (tests and users match on it). Validation fills the one cross-section default
+first (an environment's own reward), then runs `CROSS_SECTION_RULES` in order: the first
+broken rule is the error reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.config.base import _Section
+from pipeline.config.generation import EnvironmentConfig, GenerationConfig
+from pipeline.config.model import ModelConfig, TaskConfig
+from pipeline.config.observers import ArchiveConfig, EvalConfig, MetricsConfig
+from pipeline.config.operator import DeployConfig, UpConfig
+from pipeline.config.run import BusConfig, RunConfig
+from pipeline.config.scoring import RewardSpec, ScoringConfig
+from pipeline.config.training import TrainerConfig, WeightsConfig
+from pipeline.evaluation import metric_names, parse_target
+
+ENVIRONMENT_REWARD = "workers.tasks.rewards:env_reward"
+"""The reward of a run with an environment that names no reward functions of its own:
+the episode's reward as the environment reports it."""
+
+
+def vllm_engine_has_servers(cfg: Config) -> None:
+    """The vllm engine needs servers: named ones, or launched by `sluice up`."""
+    v = cfg.generation.vllm
+    if cfg.generation.engine == "vllm" and not v.urls and not v.launch:
+        raise ValueError("generation.vllm.urls: the vllm engine needs server URLs, or "
+                         "generation.vllm.launch > 0 for `sluice up` to start servers")
+
+
+def rollout_hook_excludes_environment(cfg: Config) -> None:
+    """A rollout hook and an environment both produce episodes: one of them only."""
+    if cfg.environment.name and cfg.generation.rollout:
+        raise ValueError("generation.rollout: a rollout hook produces the episodes itself; "
+                         "it cannot be combined with environment.name")
+
+
+def micro_batch_holds_a_rollout(cfg: Config) -> None:
+    """A micro-batch token budget must fit a prompt plus the longest rollout."""
+    mbt, longest = cfg.trainer.micro_batch_tokens, cfg.max_rollout_tokens
+    if 0 < mbt <= longest:
+        raise ValueError(f"trainer.micro_batch_tokens: {mbt} cannot hold one prompt and "
+                         f"a {longest}-token rollout; use 0 (one micro-batch per step) or "
+                         "a budget above generation.max_new_tokens (or "
+                         "environment.max_episode_tokens)")
+
+
+def eval_vllm_has_own_servers(cfg: Config) -> None:
+    """The evaluator swaps versions into its servers, so they cannot be the generators'."""
+    if cfg.eval_engine == "vllm" and not cfg.eval.vllm_urls and not (
+            cfg.generation.engine == "vllm" and cfg.generation.vllm.launch > 0):
+        raise ValueError("eval.vllm_urls: the evaluator's vllm engine needs servers of its "
+                         "own (or generation.vllm.launch > 0 for `sluice up` to start one)")
+
+
+def partitions_fit_the_window(cfg: Config) -> None:
+    """Each bus lane gets an equal share of the admission window, at least one group."""
+    if cfg.bus.partitions > cfg.trainer.window:
+        raise ValueError(f"bus.partitions: {cfg.bus.partitions} lanes cannot share an "
+                         f"admission window of {cfg.trainer.window} groups (each lane "
+                         "needs one); lower bus.partitions or raise "
+                         "trainer.admission_window")
+
+
+def stop_at_is_reported(cfg: Config) -> None:
+    """``up.stop_at`` names a metric the evaluator reports with this run's rewards (it
+    reads `eval_rewards`, so an environment's default reward must be filled first)."""
+    target = parse_target(cfg.up.stop_at)
+    if target is None:
+        return
+    e = cfg.eval
+    names = [r.fn.rsplit(":", 1)[1] for r in cfg.eval_rewards]
+    known = metric_names(names, e.num_samples, e.pass_at)
+    if target.metric not in known:
+        raise ValueError(f"up.stop_at: the evaluator does not report {target.metric!r}"
+                         f"; it reports {', '.join(known)}")
+
+
+def deltas_are_full_weights_only(cfg: Config) -> None:
+    """Weight deltas apply to full weights; a LoRA adapter is published whole."""
+    if cfg.weights.full_every > 1 and cfg.model.lora is not None:
+        raise ValueError("weights.full_every: deltas are for full weights; a LoRA run "
+                         "publishes its adapter whole (leave it at 1)")
+
+
+def nccl_is_full_weights_only(cfg: Config) -> None:
+    """The nccl push carries full weights; LoRA adapters go through the file store."""
+    if cfg.generation.vllm.weight_transfer == "nccl" and cfg.model.lora is not None:
+        raise ValueError("generation.vllm.weight_transfer: nccl carries full weights; "
+                         "LoRA runs use the file store")
+
+
+CROSS_SECTION_RULES: tuple[Callable[[Config], None], ...] = (
+    vllm_engine_has_servers,
+    rollout_hook_excludes_environment,
+    micro_batch_holds_a_rollout,
+    eval_vllm_has_own_servers,
+    partitions_fit_the_window,
+    stop_at_is_reported,
+    deltas_are_full_weights_only,
+    nccl_is_full_weights_only,
+)
+"""Checked in this order after every section validated itself; the first that fails is
+the error (so a config breaking two rules names the earlier one)."""
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    bus: BusConfig = Field(default_factory=BusConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    up: UpConfig = Field(default_factory=UpConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    archive: ArchiveConfig = Field(default_factory=ArchiveConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
+
+    # pydantic runs "after" model validators in definition order: the default below is
+    # filled before the rules check (stop_at_is_reported reads the rewards).
+    @model_validator(mode="after")
+    def _default_environment_rewards(self) -> Config:
+        """An environment run that names no reward functions is scored by the
+        environment's own reward (`ENVIRONMENT_REWARD`); named ones are kept."""
+        if self.environment.name and "rewards" not in self.scoring.model_fields_set:
+            self.scoring.rewards = [RewardSpec(fn=ENVIRONMENT_REWARD)]
+        return self
+
+    @model_validator(mode="after")
+    def _check_cross_section_rules(self) -> Config:
+        for rule in CROSS_SECTION_RULES:
+            rule(self)
+        return self
+
+    @property
+    def multi_turn(self) -> bool:
+        """Rollouts are episodes (an environment or a rollout hook), not one completion."""
+        return bool(self.environment.name or self.generation.rollout)
+
+    @property
+    def max_rollout_tokens(self) -> int:
+        """The longest rollout the trainer can see: ``generation.max_new_tokens``, or an
+        episode's ``environment.max_episode_tokens`` (when longer) with multi-turn rollouts."""
+        g = self.generation.max_new_tokens
+        return max(g, self.environment.max_episode_tokens) if self.multi_turn else g
+
+    @property
+    def eval_engine(self) -> Literal["transformers", "vllm"]:
+        """The evaluator's engine, `auto` resolved (see ``eval.engine``)."""
+        if self.eval.engine != "auto":
+            return self.eval.engine
+        own = self.eval.vllm_urls or self.generation.vllm.launch > 0
+        return "vllm" if self.generation.engine == "vllm" and own else "transformers"
+
+    @property
+    def eval_rewards(self) -> list[RewardSpec]:
+        """The evaluator's reward functions: ``eval.rewards``, else ``scoring.rewards``."""
+        return self.scoring.rewards if self.eval.rewards is None else self.eval.rewards
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.run.output_dir).resolve()
+
+    @property
+    def embedded_socket(self) -> Path:
+        return self.output_path / "redis" / "redis.sock"
+
+    @property
+    def redis_url(self) -> str:
+        """The bus URL every role uses: the configured one, else the embedded socket."""
+        return self.bus.redis_url or f"unix://{self.embedded_socket}"
