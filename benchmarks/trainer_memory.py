@@ -58,7 +58,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks.synthetic import scored_groups
-from pipeline.rl.losses import LossConfig, entropy_from_logits, grpo_loss
+from pipeline.rl.logprobs import entropy_from_logits
+from pipeline.rl.losses import LossConfig, grpo_loss
 from pipeline.runtime import set_threads
 from trainer.batch import Batch, build_batch
 from trainer.packing import LayoutKind

@@ -2,15 +2,18 @@
 
 A causal LM's ``forward`` computes ``[R, C, V]`` logits at every position; at a 152k
 vocabulary that dominates a step's memory (64 x 512 tokens: ~20 GB in float32). Here the
-decoder body runs alone (`split_lm`), the hidden states of the positions that predict a
-trained token (mask 1) are gathered into ``[N, H]``, and the LM head is applied to
-``chunk_tokens`` of them at a time. Each chunk's logits are recomputed in backward
-(activation checkpointing), so the peak is O(chunk_tokens x V) in forward and backward,
-whatever N is. Entropy is computed from the same chunk, without gradient.
+decoder body runs alone (`pipeline.rl.logprobs.split_lm`), the hidden states of the
+positions that predict a trained token (mask 1) are gathered into ``[N, H]``, and the LM
+head is applied to ``chunk_tokens`` of them at a time
+(`pipeline.rl.logprobs.chunked_head_logprobs`, which the distillation teacher also
+uses). Each chunk's logits are recomputed in backward (activation checkpointing), so the
+peak is O(chunk_tokens x V) in forward and backward, whatever N is. Entropy is computed
+from the same chunk, without gradient.
 
 Results are scattered back to ``[B, T]`` (zeros where the mask is 0), the shape the loss
 (`pipeline.rl.losses`) takes. The maths is `selective_log_softmax` / `candidate_log_softmax`
-on each chunk, so values equal the full-logits path (tested to 1e-5).
+(`pipeline.rl.logprobs`) on each chunk, so values equal the full-logits path (tested to
+1e-5).
 
 The body gets the layout in the form its attention implementation needs (`trainer.packing`
 states why): a varlen attention (`pipeline.attention.is_varlen`: flash, hub kernels) gets a
@@ -22,30 +25,12 @@ shared layout's boolean tree mask as an additive float mask.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from pipeline.attention import MASK_ATTENTIONS, is_varlen
-from pipeline.model import is_peft
-from pipeline.rl.losses import candidate_log_softmax, entropy_from_logits, selective_log_softmax
+from pipeline.rl.logprobs import chunked_head_logprobs, split_lm
 from trainer.batch import Batch
 from trainer.packing import Layout
-
-
-def split_lm(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """(decoder body returning hidden states, LM head) of a causal LM, peft-wrapped or not.
-
-    The body is the HF base model (``get_decoder()``); LoRA layers injected by peft live
-    inside it, so calling it directly still applies (or, under ``disable_adapter``, skips)
-    the adapter.
-    """
-    base = model.get_base_model() if is_peft(model) else model  # type: ignore[operator]
-    body, head = base.get_decoder(), base.get_output_embeddings()
-    if body is None or head is None:
-        raise ValueError(f"{type(base).__name__} has no decoder/LM head split "
-                         "(get_decoder / get_output_embeddings)")
-    return body, head
 
 
 class CompletionLogprobs(nn.Module):
@@ -90,47 +75,17 @@ class CompletionLogprobs(nn.Module):
         h = hidden[layout.rows[sel].to(device), layout.cols[sel].to(device)]  # [N, H]
         ids = batch.completion_ids[sel].to(device)
         cands = None if batch.candidates is None else batch.candidates[sel].to(device)
-        logps, ents = [], []
-        for start in range(0, h.shape[0], self.chunk_tokens):
-            end = start + self.chunk_tokens
-            args = (h[start:end], ids[start:end],
-                    None if cands is None else cands[start:end])
-            if torch.is_grad_enabled():
-                lp, ent = checkpoint(self._chunk, head, *args, with_entropy,
-                                     use_reentrant=False)
-            else:
-                lp, ent = self._chunk(head, *args, with_entropy)
-            logps.append(lp)
-            ents.append(ent)
+        logps, entropy_flat = chunked_head_logprobs(
+            head, h, ids, chunk_tokens=self.chunk_tokens, temperature=self.temperature,
+            candidates=cands, fp32_head=self.fp32_head, with_entropy=with_entropy)
         shape = batch.mask.shape
         out = torch.zeros(shape, dtype=torch.float32, device=device)
-        out = out.masked_scatter(sel.to(device), _cat(logps, device))
+        out = out.masked_scatter(sel.to(device), logps)
         entropy = None
-        if with_entropy:
+        if entropy_flat is not None:
             entropy = torch.zeros(shape, dtype=torch.float32, device=device)
-            entropy = entropy.masked_scatter(sel.to(device), _cat(ents, device))
+            entropy = entropy.masked_scatter(sel.to(device), entropy_flat)
         return out, entropy
-
-    def _chunk(self, head: nn.Module, h: torch.Tensor, ids: torch.Tensor,
-               cands: torch.Tensor | None,
-               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fp32_head:  # outside autocast, on float32 copies (the chunk is small)
-            with torch.autocast(h.device.type, enabled=False):
-                bias = getattr(head, "bias", None)
-                logits = F.linear(h.float(), head.weight.float(),
-                                  None if bias is None else bias.float()).unsqueeze(0)
-        else:
-            logits = head(h).float().unsqueeze(0)  # [1, n, V]
-        if cands is None:
-            lp = selective_log_softmax(logits, ids.unsqueeze(0), self.temperature)
-        else:
-            lp = candidate_log_softmax(logits, ids.unsqueeze(0), cands.unsqueeze(0),
-                                       self.temperature)
-        ent = torch.zeros_like(lp)
-        if with_entropy:
-            with torch.no_grad():
-                ent = entropy_from_logits(logits.detach() / self.temperature)
-        return lp.squeeze(0), ent.squeeze(0)
 
 
 def attention_implementation(body: nn.Module) -> str:
@@ -160,7 +115,3 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if t is None else t.to(device)
-
-
-def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, device=device)

@@ -31,9 +31,10 @@ from pipeline.attention import MASK_ATTENTIONS
 from pipeline.config import Config, ConfigError
 from pipeline.devices import resolve_device, torch_dtype
 from pipeline.model import is_peft, load_model, load_policy
+from pipeline.rl.logprobs import split_lm
 from pipeline.rl.losses import LossConfig
 from trainer.distributed import Ranks, shard_model
-from trainer.logprobs import CompletionLogprobs, attention_implementation, split_lm
+from trainer.logprobs import CompletionLogprobs, attention_implementation
 from trainer.packing import LayoutKind
 from trainer.step import StepSettings
 

@@ -37,13 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.model import is_peft
-from pipeline.rl.losses import (
-    LossConfig,
-    LossNorm,
-    candidate_log_softmax,
-    grpo_loss,
-    selective_log_softmax,
-)
+from pipeline.rl.logprobs import candidate_log_softmax, selective_log_softmax
+from pipeline.rl.losses import LossConfig, LossNorm, grpo_loss
 from trainer.batch import Batch, completion_logits, split_micro_batches
 from trainer.logprobs import CompletionLogprobs
 from trainer.packing import LayoutKind, make_layout, row_shapes, shapes_cost
@@ -189,8 +184,8 @@ def lean_reference_logps(model: torch.nn.Module, mb: Batch, st: StepSettings,
 
 
 def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
-             st: StepSettings, ref_model: torch.nn.Module | None = None, *,
-             dp: DataParallel | None = None,
+             settings: StepSettings, ref_model: torch.nn.Module | None = None, *,
+             data_parallel: DataParallel | None = None,
              scaler: torch.amp.GradScaler | None = None) -> dict[str, float]:
     """``num_iterations`` optimizer steps on ``batch``, gradients accumulated over its
     micro-batches; metrics averaged over the passes (token-weighted within one).
@@ -204,68 +199,102 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
     In a data-parallel job a rank with fewer micro-batches than the busiest rank repeats
     its first one at weight 0 (same collectives, zero gradient).
     """
-    norm = step_norm(batch, dp)  # every row counts in the normaliser, forwarded or not
-    live = gradient_rows(batch, st.loss)
-    if len(live) == 0:  # nothing carries a gradient: one zero-weight row keeps the step
-        mbs, weights = [batch.rows([0])], [0.0]  # (zero gradients, so AdamW still steps)
-    else:
-        mbs = micro_batches(batch if len(live) == batch.num_rows else batch.rows(live), st)
-        weights = [1.0] * len(mbs)
-    if dp is not None:
-        extra = dp.all_max(len(mbs)) - len(mbs)
-        mbs, weights = mbs + [mbs[0]] * extra, weights + [0.0] * extra
-    ref: list[torch.Tensor | None] = [None] * len(mbs)
-    old: list[torch.Tensor | None] = [None] * len(mbs)
-    if st.loss.beta > 0:
-        ref = [lean_reference_logps(model, mb, st, ref_model) for mb in mbs]
-    if st.num_iterations > 1:
+    # every row counts in the normaliser, forwarded or not
+    loss_norm = step_norm(batch, data_parallel)
+    step_batches, weights = _weighted_micro_batches(batch, settings, data_parallel)
+    ref_logps: list[torch.Tensor | None] = [None] * len(step_batches)
+    old_logps: list[torch.Tensor | None] = [None] * len(step_batches)
+    if settings.loss.beta > 0:
+        ref_logps = [lean_reference_logps(model, micro_batch, settings, ref_model)
+                     for micro_batch in step_batches]
+    if settings.num_iterations > 1:
         with torch.no_grad():
-            old = [lean_logps(model, mb, st)[0] for mb in mbs]
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_scale = dp.grad_scale if dp is not None else 1.0
+            old_logps = [lean_logps(model, micro_batch, settings)[0]
+                         for micro_batch in step_batches]
+    trainable_params = [p for p in model.parameters() if p.requires_grad]
+    grad_scale = data_parallel.grad_scale if data_parallel is not None else 1.0
     passes: list[dict[str, float]] = []
     skipped = 0.0
-    for it in range(st.num_iterations):
+    for pass_index in range(settings.num_iterations):
         optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        acc = _Metrics()
-        for i, mb in enumerate(mbs):
-            loss, metrics = compute_loss(model, mb, st, old[i], ref[i], norm,
-                                         with_entropy=it == 0)
-            scaled = loss * (grad_scale * weights[i])
+        pass_loss = 0.0  # sum of the micro-batches' losses: the pass's loss (global norm)
+        pass_metrics = _Metrics()
+        for index, micro_batch in enumerate(step_batches):
+            loss, metrics = compute_loss(model, micro_batch, settings, old_logps[index],
+                                         ref_logps[index], loss_norm,
+                                         with_entropy=pass_index == 0)
+            scaled = loss * (grad_scale * weights[index])
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
-            if weights[i]:
-                total += float(loss.detach())
-                acc.add(metrics, float(mb.mask.sum()))
+            if weights[index]:
+                pass_loss += float(loss.detach())
+                pass_metrics.add(metrics, float(micro_batch.mask.sum()))
         if scaler is not None:
             scaler.unscale_(optimizer)
-        norm_t = torch.nn.utils.clip_grad_norm_(params, st.max_grad_norm)
-        if hasattr(norm_t, "full_tensor"):  # FSDP2: a DTensor of the global norm
-            norm_t = norm_t.full_tensor()
-        grad_norm = float(norm_t)
-        bad = not (math.isfinite(total) and math.isfinite(grad_norm))
-        if dp is not None:  # every rank: the global loss, and one skip decision
-            agree = torch.tensor([total if not bad else 0.0, float(bad)], dtype=torch.float64)
-            dp.all_reduce(agree)
-            total, bad = (math.nan if agree[1] > 0 else float(agree[0])), bool(agree[1] > 0)
-        if bad:
+        grad_norm = _clipped_grad_norm(trainable_params, settings.max_grad_norm)
+        non_finite = not (math.isfinite(pass_loss) and math.isfinite(grad_norm))
+        if data_parallel is not None:  # every rank: the global loss, and one skip decision
+            pass_loss, non_finite = _agree_on_skip(data_parallel, pass_loss, non_finite)
+        if non_finite:
             optimizer.zero_grad(set_to_none=True)
             if scaler is not None:  # let the scaler lower its scale for the next step
                 scaler.update()
             skipped = 1.0
-            passes.append({**acc.result(), "loss": total, "grad_norm": grad_norm})
+            passes.append({**pass_metrics.result(), "loss": pass_loss, "grad_norm": grad_norm})
             break
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
         else:
             optimizer.step()
-        passes.append({**acc.result(), "loss": total, "grad_norm": grad_norm})
+        passes.append({**pass_metrics.result(), "loss": pass_loss, "grad_norm": grad_norm})
     out = {k: _mean([p.get(k, math.nan) for p in passes]) for k in passes[0]}
     out["loss"], out["entropy"] = passes[0]["loss"], passes[0].get("entropy", math.nan)
     out["skipped"] = skipped
     out["micro_batches"] = float(sum(w > 0 for w in weights))
     return out
+
+
+def _weighted_micro_batches(batch: Batch, settings: StepSettings,
+                            data_parallel: DataParallel | None
+                            ) -> tuple[list[Batch], list[float]]:
+    """The step's micro-batches and each one's gradient weight (1.0, or 0.0 for a
+    stand-in that only keeps the collectives in step). Only `gradient_rows` are
+    forwarded; with none, one zero-weight row keeps the step (zero gradients, so AdamW
+    still steps). With ``data_parallel``, the first micro-batch is repeated at weight 0
+    until every rank runs as many as the busiest."""
+    gradient_row_ids = gradient_rows(batch, settings.loss)
+    if len(gradient_row_ids) == 0:
+        step_batches, weights = [batch.rows([0])], [0.0]
+    else:
+        forwarded = (batch if len(gradient_row_ids) == batch.num_rows
+                     else batch.rows(gradient_row_ids))
+        step_batches = micro_batches(forwarded, settings)
+        weights = [1.0] * len(step_batches)
+    if data_parallel is not None:
+        repeats = data_parallel.all_max(len(step_batches)) - len(step_batches)
+        step_batches = step_batches + [step_batches[0]] * repeats
+        weights = weights + [0.0] * repeats
+    return step_batches, weights
+
+
+def _clipped_grad_norm(params: list[torch.Tensor], max_grad_norm: float) -> float:
+    """The pre-clip gradient norm of ``params`` (global under FSDP2), after clipping
+    them to ``max_grad_norm``."""
+    norm_tensor = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if hasattr(norm_tensor, "full_tensor"):  # FSDP2: a DTensor of the global norm
+        norm_tensor = norm_tensor.full_tensor()
+    return float(norm_tensor)
+
+
+def _agree_on_skip(data_parallel: DataParallel, pass_loss: float,
+                   non_finite: bool) -> tuple[float, bool]:
+    """``(global loss, skip)`` the same on every rank: the losses summed over ranks, and
+    a skip (with a NaN loss) when any rank met a non-finite loss or gradient norm."""
+    loss_and_skips = torch.tensor([pass_loss if not non_finite else 0.0, float(non_finite)],
+                                  dtype=torch.float64)
+    data_parallel.all_reduce(loss_and_skips)
+    any_skip = bool(loss_and_skips[1] > 0)
+    return (math.nan if any_skip else float(loss_and_skips[0])), any_skip
 
 
 class _Metrics:

@@ -174,7 +174,7 @@ class Trainer:
                 f"{self.state.version}")
         missing = self.candidates_missing(batch)
         metrics = optimize(self.setup.fwd, self.optimizer, batch, self.step_settings,
-                           self.setup.ref, dp=self.ranks.data_parallel(),
+                           self.setup.ref, data_parallel=self.ranks.data_parallel(),
                            scaler=self.setup.scaler)
         if not metrics["skipped"]:
             self.setup.scheduler.step()

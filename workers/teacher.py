@@ -12,8 +12,9 @@ sampled by the policy) get 0: no one reads them. Two backends behind one contrac
   the LM head runs only on the positions that predict a mask-1 token, ``head_chunk``
   at a time (at a 152k vocabulary the full ``[B, L, V]`` logits would dominate memory).
   Runs in a worker thread (`asyncio.to_thread`) under `torch.inference_mode`, so the
-  scorer's heartbeat goes on. Logits are the output embedding applied to the decoder's
-  last hidden state, as the trainer computes them (`trainer.logprobs.split_lm`).
+  scorer's heartbeat goes on. The maths is the trainer's (`pipeline.rl.logprobs`:
+  `split_lm`, then `chunked_head_logprobs` on the gathered hidden states), with the LM
+  head applied in the model's dtype (logits cast to float32 after it).
 - `VLLMTeacher` (``scoring.teacher_urls``): vLLM servers serving the teacher. One
   ``/v1/completions`` request per server per read, the prompts being the rows' token
   ids (prompt + completion), ``max_tokens`` 1 and ``prompt_logprobs`` 0: vLLM then
@@ -136,7 +137,9 @@ class LocalTeacher:
     def _forward(self, rows: list[Row]) -> list[np.ndarray]:
         import torch
 
-        body, head = self.model.get_decoder(), self.model.get_output_embeddings()
+        from pipeline.rl.logprobs import chunked_head_logprobs, split_lm
+
+        body, head = split_lm(self.model)
         device = head.weight.device
         seqs = [np.concatenate([p, c]).astype(np.int64) for p, c, _ in rows]
         width = max(len(s) for s in seqs)
@@ -155,12 +158,9 @@ class LocalTeacher:
             return out
         idx = torch.tensor(where, dtype=torch.long, device=device)
         h = hidden[idx[:, 0], idx[:, 1]]
-        lps = []
-        for a in range(0, len(where), self.head_chunk):
-            logits = head(h[a:a + self.head_chunk]).float()
-            lp = torch.log_softmax(logits, dim=-1)
-            lps.append(lp.gather(-1, idx[a:a + self.head_chunk, 2:3]).squeeze(-1))
-        flat = torch.cat(lps).cpu().numpy()
+        lps, _ = chunked_head_logprobs(head, h, idx[:, 2], chunk_tokens=self.head_chunk,
+                                       fp32_head=False)
+        flat = lps.cpu().numpy()
         k = 0
         for r, (_, _, m) in enumerate(rows):
             on = np.flatnonzero(m)

@@ -44,24 +44,25 @@ Where it differs from TRL:
   cannot leak into the loss or the gradient.
 
 With top-k / top-p sampling the trainer's ``logps`` come from
-:func:`candidate_log_softmax` (renormalised over each token's recorded candidate set),
-so ``exp(old - behaviour)`` compares the same truncated distribution on both sides; TRL
-has no equivalent and compares a truncated sampler with a full-vocabulary trainer.
+`pipeline.rl.logprobs.candidate_log_softmax` (renormalised over each token's recorded
+candidate set), so ``exp(old - behaviour)`` compares the same truncated distribution on
+both sides; TRL has no equivalent and compares a truncated sampler with a
+full-vocabulary trainer.
 
 Gradient flows only through ``logps``; ``old``, ``behaviour``, ``ref`` and advantages
-are detached. Maths runs in at least float32.
+are detached. Maths runs in at least float32. The metrics beside the loss are computed in
+`pipeline.rl.loss_metrics`; the logprobs it takes, in `pipeline.rl.logprobs`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline.rl.loss_metrics import behaviour_ratio_stats, clip_fractions, masked_mean
 from pipeline.rl.offpolicy import (
     cispo_per_token,
     geometric_mean_mask,
@@ -77,11 +78,8 @@ __all__ = [
     "LossConfig",
     "LossNorm",
     "LossType",
-    "candidate_log_softmax",
-    "entropy_from_logits",
     "grpo_loss",
     "importance_weights",
-    "selective_log_softmax",
 ]
 
 _LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo")
@@ -345,76 +343,6 @@ def _normalised_loss(
     return masked.sum() / (step_tokens if num_items_in_batch is None else num_items_in_batch)
 
 
-def _masked_mean(x: Tensor, mf: Tensor, batch_tokens: Tensor) -> float:
-    """Mean of ``x`` over mask-1 tokens, ``sum(x * mf) / batch_tokens``, without gradient."""
-    with torch.no_grad():
-        return float((x.to(mf.dtype) * mf).sum() / batch_tokens)
-
-
-def _clip_fractions(
-    ratio: Tensor,
-    adv: Tensor,
-    m: Tensor,
-    mf: Tensor,
-    batch_tokens: Tensor,
-    cfg: LossConfig,
-) -> dict[str, float]:
-    """``clip_ratio/{low,high,region}_mean``: the fraction of masked tokens (GSPO: of rows
-    with a masked token, TRL's convention; 0.0 when none) whose ratio was clipped in the
-    direction that zeroes its gradient: below ``1 - eps_low`` with A < 0, above
-    ``1 + eps_high`` with A > 0. CISPO (TRL's ``cispo_clip_ratio``): ratio above the cap
-    ``eps_high`` with A > 0, and ``low`` is always 0. Without gradient."""
-    with torch.no_grad():
-        if ratio.shape[-1] == 1 and adv.shape[-1] > 1:  # GSPO with per-token advantages:
-            adv = (adv * mf).sum(-1, keepdim=True)  # a row's sign is its advantages' sum's
-        if cfg.loss_type == "cispo":
-            high = (ratio > cfg.eps_high) & (adv > 0)
-            low = torch.zeros_like(high)
-        else:
-            low = (ratio < 1.0 - cfg.eps_low) & (adv < 0)
-            high = (ratio > 1.0 + cfg.eps_high) & (adv > 0)
-        if ratio.shape[-1] == 1:  # GSPO: fractions of sequences
-            rows = m.any(dim=-1)
-
-            def fraction(x: Tensor) -> float:
-                return float(x.squeeze(-1)[rows].to(mf.dtype).mean()) if rows.any() else 0.0
-        else:
-
-            def fraction(x: Tensor) -> float:
-                return _masked_mean(x, mf, batch_tokens)
-
-        return {
-            "clip_ratio/low_mean": fraction(low),
-            "clip_ratio/high_mean": fraction(high),
-            "clip_ratio/region_mean": fraction(low | high),
-        }
-
-
-def _behaviour_ratio_stats(
-    old_lp: Tensor, behaviour_lp: Tensor, m: Tensor, mf: Tensor, batch_tokens: Tensor,
-    cfg: LossConfig,
-) -> dict[str, float]:
-    """``is_ratio/{min,mean,max}`` of the raw token ratios ``exp(old - behaviour)`` over
-    masked tokens with a known behaviour logprob (NaN when there are none);
-    ``is_ratio/outside_frac``: the fraction of them outside ``[is_clip_min,
-    is_clip_max]`` (the tokens ``is_mode`` truncates or masks; NaN with none); and
-    ``logprob_diff/mean_abs``: mean ``|old - behaviour|`` (nats) over masked tokens, an
-    unknown behaviour logprob counting 0. Without gradient."""
-    with torch.no_grad():
-        raw = torch.exp(old_lp - behaviour_lp)[m]
-        raw = raw[~torch.isnan(raw)]
-        empty = raw.numel() == 0
-        outside = (raw > cfg.is_clip_max) | (raw < cfg.is_clip_min)
-        abs_diff = torch.nan_to_num((old_lp - behaviour_lp).abs(), nan=0.0)
-        return {
-            "is_ratio/min": math.nan if empty else float(raw.min()),
-            "is_ratio/mean": math.nan if empty else float(raw.mean()),
-            "is_ratio/max": math.nan if empty else float(raw.max()),
-            "is_ratio/outside_frac": math.nan if empty else float(outside.float().mean()),
-            "logprob_diff/mean_abs": _masked_mean(abs_diff, mf, batch_tokens),
-        }
-
-
 def grpo_loss(
     logps: Tensor,
     old_logps: Tensor | None,
@@ -460,82 +388,10 @@ def grpo_loss(
     batch_tokens = mf.sum().clamp(min=1.0)
     loss = _normalised_loss(per_token, mf, batch_tokens, cfg, num_items_in_batch, norm)
     metrics = {
-        **_clip_fractions(ratio, adv, m, mf, batch_tokens, cfg),
-        **_behaviour_ratio_stats(old_lp, behaviour_lp, m, mf, batch_tokens, cfg),
-        "kl": 0.0 if per_token_kl is None else _masked_mean(per_token_kl, mf, batch_tokens),
+        **clip_fractions(ratio, adv, m, mf, batch_tokens, cispo=cfg.loss_type == "cispo",
+                         eps_low=cfg.eps_low, eps_high=cfg.eps_high),
+        **behaviour_ratio_stats(old_lp, behaviour_lp, m, mf, batch_tokens,
+                                clip_min=cfg.is_clip_min, clip_max=cfg.is_clip_max),
+        "kl": 0.0 if per_token_kl is None else masked_mean(per_token_kl, mf, batch_tokens),
     }
     return loss, metrics
-
-
-def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
-    """Entropy (nats) of ``softmax(logits)`` over the last dim -> ``logits.shape[:-1]``.
-
-    Computed in row chunks to bound memory, as TRL does. Pass temperature-scaled logits
-    to get the entropy of the sampling distribution.
-    """
-    flat = logits.reshape(-1, logits.shape[-1])
-    parts = []
-    for chunk in flat.split(chunk_size, dim=0):
-        logp = F.log_softmax(chunk, dim=-1)
-        parts.append(-(logp.exp() * logp).sum(dim=-1))
-    if not parts:
-        return logits.new_zeros(logits.shape[:-1])
-    return torch.cat(parts).reshape(logits.shape[:-1])
-
-
-def selective_log_softmax(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """``log_softmax(logits / temperature)[..., ids]`` -> ``[B, T]`` without a [B,T,V] copy.
-
-    ``logits`` is ``[B, T, V]``, ``ids`` ``[B, T]``. float32/64 use gather - logsumexp
-    row by row; lower precision uses a per-row log_softmax (logsumexp is unstable there).
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if temperature != 1.0:
-        logits = logits / temperature
-    ids = ids.long()
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = torch.gather(logits, dim=-1, index=ids.unsqueeze(-1)).squeeze(-1)
-        lse = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-        return picked - lse
-    rows = []
-    for row_logits, row_ids in zip(logits, ids, strict=True):
-        row_logps = F.log_softmax(row_logits, dim=-1)
-        rows.append(row_logps.gather(dim=-1, index=row_ids.unsqueeze(-1)).squeeze(-1))
-    return torch.stack(rows)
-
-
-def candidate_log_softmax(
-    logits: Tensor,
-    ids: Tensor,
-    candidates: Tensor,
-    temperature: float = 1.0,
-) -> Tensor:
-    """Log-probability of ``ids`` renormalised over each position's candidate set.
-
-    ``logits`` ``[B, T, V]``; ``ids`` ``[B, T]``; ``candidates`` ``[B, T, K]`` token ids
-    the sampler could have drawn at that position (after top-k / top-p), padded with -1.
-    A position whose row is all -1 (set unknown) gets the full-vocabulary log-softmax.
-    Returns ``logits[id]/T - logsumexp(logits[candidates]/T)``: the trainer's logprob of
-    the same truncated distribution the sampler drew from, so ``exp(trainer - behaviour)``
-    is an unbiased importance ratio. Invariant: the sampled id must be in its set (the
-    engine records the set it drew from); if it is not, the result is ``-inf`` there.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if candidates.dim() != 3 or candidates.shape[:2] != ids.shape:
-        raise ValueError(f"candidates must be [B, T, K] matching ids {tuple(ids.shape)}, "
-                         f"got {tuple(candidates.shape)}")
-    scaled = logits / temperature if temperature != 1.0 else logits
-    scaled = scaled.to(_compute_dtype(scaled))
-    valid = candidates >= 0
-    known = valid.any(dim=-1)
-    picked = torch.gather(scaled, -1, candidates.clamp(min=0).long())
-    picked = picked.masked_fill(~valid, -math.inf)
-    lse = torch.logsumexp(picked, dim=-1)
-    member = ((candidates == ids.unsqueeze(-1)) & valid).any(dim=-1)
-    own = torch.gather(scaled, -1, ids.long().unsqueeze(-1)).squeeze(-1)
-    renorm = torch.where(member, own - torch.where(known, lse, 0.0), -math.inf)
-    if bool(known.all()):  # the usual case: no second log-softmax over the vocabulary
-        return renorm
-    return torch.where(known, renorm, selective_log_softmax(scaled, ids))

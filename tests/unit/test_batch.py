@@ -18,7 +18,7 @@ import torch
 from pipeline.bus.codec import decode, encode
 from pipeline.bus.schema import Limits, Rollout, RolloutGroup, ScoredGroup
 from pipeline.model import init_tiny_model, load_model
-from pipeline.rl.losses import selective_log_softmax
+from pipeline.rl.logprobs import selective_log_softmax
 from trainer.batch import Batch, build_batch, completion_logits
 from workers.engines import SamplingParams
 from workers.engines.transformers import TransformersEngine

@@ -16,7 +16,7 @@ import torch
 from pipeline.bus.codec import DecodeError, decode, encode
 from pipeline.bus.schema import Limits, Rollout, RolloutGroup, ScoredGroup
 from pipeline.model import init_tiny_model, load_model
-from pipeline.rl.losses import candidate_log_softmax, selective_log_softmax
+from pipeline.rl.logprobs import candidate_log_softmax, selective_log_softmax
 from trainer.batch import build_batch
 from trainer.step import token_logps
 from trainer.trainer import Trainer

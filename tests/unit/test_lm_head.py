@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.gpu_check import one_batch, tiny_config, tiny_model
+from pipeline.rl.logprobs import head_logprobs
 from trainer.logprobs import CompletionLogprobs
 from trainer.packing import make_layout
 
@@ -32,9 +33,8 @@ def test_the_fp32_head_removes_the_bf16_rounding_of_logprobs() -> None:
     exact = torch.log_softmax(h.double() @ head.weight.double().T, -1)[torch.arange(64), ids]
     errors = {}
     for fp32_head in (True, False):
-        fwd = CompletionLogprobs(model, 1.0, fp32_head=fp32_head)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            lp, _ = fwd._chunk(head, h, ids, None, False)
+            lp, _ = head_logprobs(head, h, ids, None, 1.0, fp32_head, False)
         errors[fp32_head] = float((lp.double() - exact).abs().max())
     assert errors[True] < 1e-4 < 0.01 < errors[False], errors
 

@@ -7,13 +7,8 @@ import math
 import pytest
 import torch
 
-from pipeline.rl.losses import (
-    LossConfig,
-    entropy_from_logits,
-    grpo_loss,
-    importance_weights,
-    selective_log_softmax,
-)
+from pipeline.rl.logprobs import entropy_from_logits, selective_log_softmax
+from pipeline.rl.losses import LossConfig, grpo_loss, importance_weights
 
 LN2 = math.log(2.0)
 

@@ -25,7 +25,8 @@ import torch
 
 from pipeline.bus.schema import Rollout, RolloutGroup, ScoredGroup
 from pipeline.model import init_tiny_model, load_model
-from pipeline.rl.losses import LossConfig, LossNorm, entropy_from_logits, grpo_loss
+from pipeline.rl.logprobs import entropy_from_logits
+from pipeline.rl.losses import LossConfig, LossNorm, grpo_loss
 from trainer.batch import Batch, build_batch, completion_logits
 from trainer.step import (
     StepSettings,

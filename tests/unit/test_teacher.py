@@ -13,6 +13,9 @@ import torch
 from pipeline.config import ConfigError, load_config
 from pipeline.model import load_model
 from tests.helpers import build_bpe_model
+from trainer.batch import Batch
+from trainer.logprobs import CompletionLogprobs
+from trainer.packing import make_layout
 from workers.teacher import LocalTeacher, _completion_logprobs, check_teacher, check_vocab
 
 ROWS = [  # (prompt, completion, mask): lengths differ; the second has environment tokens
@@ -46,6 +49,38 @@ def test_local_teacher_logprobs_equal_a_hand_forward(tiny_model_dir: Path,
         want = _hand(model, p, c)
         np.testing.assert_allclose(lp[m > 0], want[m > 0], atol=1e-5)
         assert (lp[m == 0] == 0).all()  # environment tokens: not computed
+
+
+def _trainer_batch(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Batch:
+    """``rows`` as the trainer's padded batch (advantages and behaviour logprobs 0)."""
+    b = len(rows)
+    width = max(len(p) + len(c) for p, c, _ in rows)
+    t = max(len(c) for _, c, _ in rows)
+    ids, att = torch.zeros((b, width), dtype=torch.long), torch.zeros((b, width), dtype=torch.long)
+    comp, mask = torch.zeros((b, t), dtype=torch.long), torch.zeros((b, t))
+    for r, (p, c, m) in enumerate(rows):
+        ids[r, :len(p) + len(c)] = torch.from_numpy(np.concatenate([p, c]).astype(np.int64))
+        att[r, :len(p) + len(c)] = 1
+        comp[r, :len(c)] = torch.from_numpy(c.astype(np.int64))
+        mask[r, :len(c)] = torch.from_numpy(m.astype(np.float32))
+    return Batch(input_ids=ids, attention_mask=att,
+                 completion_start=torch.tensor([len(p) for p, _, _ in rows]),
+                 completion_ids=comp, behaviour_logps=torch.zeros((b, t)), mask=mask,
+                 advantages=torch.zeros(b), versions=torch.zeros((b, t), dtype=torch.long))
+
+
+def test_local_teacher_logprobs_equal_the_trainers(tiny_model_dir: Path) -> None:
+    """The teacher and the trainer share `pipeline.rl.logprobs`: on the same model and
+    tokens, the teacher's logprob is the trainer's (temperature 1, padded layout)."""
+    model, _ = load_model(tiny_model_dir)
+    got = LocalTeacher(model, head_chunk=3).forward(ROWS)
+    batch = _trainer_batch(ROWS)
+    with torch.no_grad():
+        want, _ = CompletionLogprobs(model, 1.0, chunk_tokens=2)(
+            make_layout(batch, "padded", 0), batch)
+    for r, ((_, c, m), lp) in enumerate(zip(ROWS, got, strict=True)):
+        np.testing.assert_allclose(lp[m > 0], want[r, :len(c)].numpy()[m > 0], rtol=0,
+                                   atol=1e-6)
 
 
 def test_vllm_prompt_logprobs_answer_is_cut_to_the_completion() -> None:
