@@ -10,11 +10,6 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-# Modules of sluice that configs name and that moved: a config written for the old layout
-# fails with the new name in the message.
-MOVED = {"workers.rewards": "workers.tasks.rewards", "workers.rgym": "workers.tasks.rgym",
-         "pipeline.advantages": "pipeline.rl.advantages"}
-
 
 def load_callable(path: str, what: str) -> Callable[..., Any]:
     """The callable ``path`` names; ``ValueError`` starting with ``what`` (e.g.
@@ -31,9 +26,7 @@ def load_callable(path: str, what: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        moved = next((new for old, new in MOVED.items() if module_name == old), None)
-        hint = f" (sluice's {module_name} is now {moved})" if moved else ""
-        raise ValueError(f"{what}: cannot import module {module_name!r}: {e}{hint}") from e
+        raise ValueError(f"{what}: cannot import module {module_name!r}: {e}") from e
     except Exception as e:
         raise ValueError(f"{what}: importing {module_name!r} failed: {e!r}") from e
     obj: Any = module

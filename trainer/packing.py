@@ -59,6 +59,9 @@ LayoutKind = Literal["padded", "packed", "shared"]
 
 @dataclass
 class Layout:
+    """One micro-batch as the forward sees it; ``input_ids.numel()`` (R * C) is the
+    positions it computes, which `shapes_cost` predicts exactly."""
+
     input_ids: torch.Tensor  # int64 [R, C]
     position_ids: torch.Tensor | None  # int64 [R, C]; None = 0..C-1 per row
     attention_mask: torch.Tensor | None  # int64 [R, C] (padded) | bool [R, 1, C, C] | None
@@ -79,17 +82,13 @@ class Layout:
         return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
                 "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
 
-    @property
-    def forwarded_tokens(self) -> int:
-        """Positions the forward computes (R * C): the cost a micro-batch budget counts."""
-        return int(self.input_ids.numel())
-
 
 RowShape = tuple[int, int, int]
 """(tokens, prompt tokens, group) of one row: all a layout's cost depends on."""
 
 
 def row_shapes(batch: Batch) -> list[RowShape]:
+    """Each row's `RowShape`, in batch order."""
     return list(zip(batch.seq_lens.tolist(), batch.completion_start.tolist(),
                     batch.groups.tolist(), strict=True))
 
@@ -108,6 +107,8 @@ def shapes_cost(shapes: list[RowShape], kind: LayoutKind) -> int:
 
 
 def make_layout(batch: Batch, kind: LayoutKind, pad_id: int) -> Layout:
+    """``batch`` laid out as ``kind`` (module docstring); packed rows are filled with
+    ``pad_id`` past their last unit."""
     if kind == "padded":
         return _padded(batch)
     units = _units(row_shapes(batch), kind == "shared")

@@ -1,7 +1,7 @@
-"""What a scorer computes for one read, apart from the role's bookkeeping: the rewards
+"""Each group's scores for one read, apart from the scorer role's bookkeeping: the rewards
 (in the reward process, `rewards_of`) and the teacher's logprobs of every group, the
 whole read at once and, when that call fails, group by group (`whole_then_each`), and
-the ``scoring.advantages`` hook's call.
+the ``scoring.advantages`` hook's call. Every result is per group, in the read's order.
 `workers.scorer` settles the results."""
 
 from __future__ import annotations

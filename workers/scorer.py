@@ -13,7 +13,7 @@ A consumer in group ``scorers`` on ``rollouts``. Per entry, exactly one of:
   again later).
 Entries of crashed scorers are reclaimed with XAUTOCLAIM after ``claim_idle_ms``.
 
-Rewards are computed for a whole read at once (`workers.scoring.rewards_of`: one call
+Rewards are computed for a whole read at once (`workers.group_scores.rewards_of`: one call
 per function over every completion of every decoded group, so a reward model sees a
 batch; the functions run concurrently in the scorer's reward process, which is killed
 and replaced when a call outlives ``reward_timeout_s``: `workers.reward_runner`).
@@ -74,9 +74,9 @@ from pipeline.rl.advantages import (
 )
 from pipeline.rl.distillation import mean_over_mask, reverse_kl, token_advantages
 from pipeline.runtime import LEAVE_TIMEOUT_S, Heartbeat, connect, join, limits
+from workers.group_scores import hook_advantages, rewards_of, teacher_of
 from workers.hooks import load_hook
 from workers.reward_runner import RewardRunner, check_rewards
-from workers.scoring import hook_advantages, rewards_of, teacher_of
 from workers.tasks.catalog import Task
 from workers.tasks.rewards import (
     RewardError,

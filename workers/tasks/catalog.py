@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-import os
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -325,14 +324,6 @@ def task_from_config(cfg: Any, tokenizer: Any = None) -> Task:
                      "held-out); %d remain", task.name, task.dropped["too_long"],
                      t.max_prompt_tokens, task.dropped["heldout_too_long"], len(task))
     return task
-
-
-def load_hf_dataset(name_or_path: str | os.PathLike[str], split: str = "train", *,
-                    text_field: str = "prompt", answer_field: str = "",
-                    heldout_fraction: float = 0.05) -> RecordsTask:
-    """Deprecated name of `workers.tasks.data.load_hf_task` (kept for scripts)."""
-    return load_hf_task(os.fspath(name_or_path), split, prompt_column=text_field,
-                        answer_column=answer_field, heldout_fraction=heldout_fraction)
 
 
 def epoch_order(num_prompts: int, seed: int, epoch: int) -> np.ndarray:
