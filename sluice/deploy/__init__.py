@@ -3,11 +3,11 @@ kustomization or a compose project (docs/deploying.md).
 
 `plan.make_plan` computes the deployment once (roles, counts, names, credentials,
 resources); one small module per target (`slurm`, `k8s`, `compose`) turns the plan into
-files; `files.write_tree` writes them. Every target ships the run's config as
-``run.toml`` (the given TOML with the ``--set`` overrides applied and the keys the target
-decides, such as ``bus.redis_url``, replaced), so every role of the deployment reads one
-file, and per-role credentials under ``secrets/`` (mode 0600), never in argv or in clear
-in a manifest.
+files (`containers`: what the k8s and compose targets share); `files.write_tree` writes
+them. Every target ships the run's config as ``run.toml`` (the given TOML with the
+``--set`` overrides applied and the keys the target decides, such as ``bus.redis_url``,
+replaced), so every role of the deployment reads one file, and per-role credentials under
+``secrets/`` (mode 0600), never in argv or in clear in a manifest.
 """
 
 from __future__ import annotations

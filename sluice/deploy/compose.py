@@ -19,19 +19,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.hub import is_hub_id
-from sluice.deploy.files import Rendered, dump_yaml
-from sluice.deploy.plan import (
-    DATA_DIR,
-    Plan,
-    Proc,
-    Server,
-    credentials_env,
-    needs_s3,
+from sluice.deploy.containers import (
+    CONFIG,
+    INIT_MODEL_SH,
+    REDIS_ACL,
+    ROLE_ENV,
+    VLLM_CACHE,
+    image_for,
+    probe_argv,
+    redis_argv,
+    redis_url,
+    wait_trainer_argv,
 )
+from sluice.deploy.files import Rendered, dump_yaml
+from sluice.deploy.plan import DATA_DIR, Plan, Proc, Server, credentials_env, needs_s3
 from sluice.deploy.runconfig import run_config
-
-CONFIG = "/etc/sluice/run.toml"
 
 
 class _Gpus:
@@ -53,7 +55,7 @@ def _base(plan: Plan, image: str, command: list[str], role: str = "") -> dict[st
     d = plan.cfg.deploy
     svc: dict[str, Any] = {
         "image": image, "command": command, "working_dir": DATA_DIR,
-        "environment": {"HF_HOME": f"{DATA_DIR}/.cache/huggingface", "PYTHONUNBUFFERED": "1"},
+        "environment": dict(ROLE_ENV),
         "volumes": ["data:/data", f"./run.toml:{CONFIG}:ro"],
         "stop_grace_period": f"{d.grace_s}s",
     }
@@ -69,16 +71,11 @@ def _base(plan: Plan, image: str, command: list[str], role: str = "") -> dict[st
     return svc
 
 
-def _image(plan: Plan, gpus: int) -> str:
-    return plan.cfg.deploy.gpu_image if gpus else plan.cfg.deploy.image
-
-
 def _server(plan: Plan, s: Server, gpus: _Gpus, after: dict[str, Any],
             netns: str | None) -> dict[str, Any]:
-    svc = _base(plan, _image(plan, int(s.gpu)), s.argv)
-    svc["environment"].update(s.env(f"{DATA_DIR}/.cache/vllm"))
-    probe = f"import urllib.request; urllib.request.urlopen('{s.url}/health', timeout=2)"
-    svc["healthcheck"] = {"test": ["CMD", s.spec.python, "-c", probe], "interval": "5s",
+    svc = _base(plan, image_for(plan, int(s.gpu)), s.argv)
+    svc["environment"].update(s.env(VLLM_CACHE))
+    svc["healthcheck"] = {"test": ["CMD", *probe_argv(s)], "interval": "5s",
                           "timeout": "5s",
                           "retries": max(1, int(plan.cfg.generation.vllm.start_timeout_s / 5))}
     svc["depends_on"] = after
@@ -98,7 +95,7 @@ def _with_servers(plan: Plan, proc: Proc, name: str, argv: list[str], gpus: _Gpu
         services[sname] = _server(plan, s, gpus, after, owner)
         owner = owner or sname
         deps[sname] = {"condition": "service_healthy"}
-    svc = _base(plan, _image(plan, proc.gpus), argv, proc.role)
+    svc = _base(plan, image_for(plan, proc.gpus), argv, proc.role)
     svc["depends_on"] = deps
     if owner:
         svc["network_mode"] = f"service:{owner}"
@@ -112,34 +109,28 @@ def render(plan: Plan, data: Mapping[str, Any]) -> Rendered:
     services: dict[str, Any] = {}
     trainer_after: dict[str, Any] = {}
     if plan.bundled:
-        cmd = ["redis-server", "--port", str(d.redis_port), "--appendonly", "yes",
-               "--appendfsync", "everysec", "--save", "", "--dir", "/data"]
         vols = ["redis-data:/data"]
         if d.acl:
-            cmd += ["--aclfile", "/etc/redis/users.acl"]
-            vols.append("./secrets/users.acl:/etc/redis/users.acl:ro")
-        else:
-            cmd += ["--protected-mode", "no"]
-        services["redis"] = {"image": d.redis_image, "command": cmd, "volumes": vols,
+            vols.append(f"./secrets/users.acl:{REDIS_ACL}:ro")
+        services["redis"] = {"image": d.redis_image, "command": redis_argv(plan), "volumes": vols,
                              "stop_grace_period": f"{d.grace_s}s"}
         trainer_after["redis"] = {"condition": "service_started"}
-    if cfg.model.init and not is_hub_id(cfg.model.path):
+    if plan.builds_model:  # $$: compose's escape of a literal $
         services["prepare"] = _base(plan, d.image, [
-            "sh", "-c", '[ -d "$$0" ] || exec sluice init-model "$$0"', cfg.model.path])
+            "sh", "-c", INIT_MODEL_SH.replace("$", "$$"), cfg.model.path])
         trainer_after["prepare"] = {"condition": "service_completed_successfully"}
     t = plan.trainer
-    trainer = _base(plan, _image(plan, t.gpus), t.argv(CONFIG), "trainer")
+    trainer = _base(plan, image_for(plan, t.gpus), t.argv(CONFIG), "trainer")
     if trainer_after:
         trainer["depends_on"] = trainer_after
     trainer.update(gpus.take(t.gpus))
     services["trainer"] = trainer
-    wait = _base(plan, d.image, ["sluice", "deploy", "wait", CONFIG, "--role", "evaluator",
-                                 "--trainer", "--timeout", "3600"], "evaluator")
+    wait = _base(plan, d.image, wait_trainer_argv("evaluator"), "evaluator")
     wait["depends_on"] = {"trainer": {"condition": "service_started"}}
     services["wait-trainer"] = wait
     after = {"wait-trainer": {"condition": "service_completed_successfully"}}
     s = plan.scorers
-    scorers = _base(plan, _image(plan, s.gpus), s.argv(CONFIG), "scorer")
+    scorers = _base(plan, image_for(plan, s.gpus), s.argv(CONFIG), "scorer")
     scorers["depends_on"] = after
     scorers["deploy"] = {"replicas": s.count}
     if s.gpus:  # every replica gets the same GPU(s)
@@ -163,8 +154,7 @@ def render(plan: Plan, data: Mapping[str, Any]) -> Rendered:
     r.add("compose.yaml", dump_yaml(project, header=[
         f"Run {plan.run!r} on one host: rendered by `sluice deploy render --target compose`",
         "(docs/deploying.md); re-render instead of editing.  docker compose up -d"]))
-    url = (f"redis://redis:{d.redis_port}/0" if plan.bundled else cfg.bus.redis_url)
-    r.add("run.toml", run_config(plan, data, {"bus.redis_url": url}))
+    r.add("run.toml", run_config(plan, data, {"bus.redis_url": redis_url(plan, "redis")}))
     if d.acl:
         for role in plan.credentials:
             r.secret(f"{role}.env", credentials_env(plan, role))

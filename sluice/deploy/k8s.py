@@ -26,7 +26,20 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.hub import is_hub_id
+from sluice.deploy.containers import (
+    CONFIG,
+    CONFIG_DIR,
+    HF_HOME,
+    INIT_MODEL_SH,
+    REDIS_ACL_DIR,
+    ROLE_ENV,
+    VLLM_CACHE,
+    image_for,
+    probe_argv,
+    redis_argv,
+    redis_url,
+    wait_trainer_argv,
+)
 from sluice.deploy.files import Rendered, dump_yaml
 from sluice.deploy.k8s_scaling import labels, scaling_objects
 from sluice.deploy.plan import (
@@ -36,12 +49,11 @@ from sluice.deploy.plan import (
     Proc,
     Server,
     credentials_env,
+    mem_mib,
     needs_s3,
 )
 from sluice.deploy.runconfig import run_config
 
-CONFIG_DIR = "/etc/sluice"
-CONFIG = f"{CONFIG_DIR}/run.toml"
 UID = 1000
 REDIS_UID = 999  # the official redis image's user
 
@@ -54,7 +66,7 @@ def _resources(cpus: float, gpus: int, memory_gib: float) -> dict[str, Any]:
     req: dict[str, Any] = {"cpu": str(cpus)}
     lim: dict[str, Any] = {}
     if memory_gib:
-        req["memory"] = lim["memory"] = f"{math.ceil(memory_gib * 1024)}Mi"
+        req["memory"] = lim["memory"] = f"{mem_mib(memory_gib)}Mi"
     if gpus:
         lim["nvidia.com/gpu"] = gpus
     return {"requests": req, **({"limits": lim} if lim else {})}
@@ -74,8 +86,7 @@ def _container(plan: Plan, name: str, image: str, command: list[str], *, role: s
                resources: dict[str, Any] | None = None, metrics: bool = False
                ) -> dict[str, Any]:
     d = plan.cfg.deploy
-    env = [{"name": "HF_HOME", "value": f"{DATA_DIR}/.cache/huggingface"},
-           {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    env = [{"name": k, "value": v} for k, v in ROLE_ENV.items()]
     c: dict[str, Any] = {"name": name, "image": image, "imagePullPolicy": "IfNotPresent",
                          "workingDir": DATA_DIR, "command": command}
     if metrics and d.metrics_port:
@@ -99,24 +110,18 @@ def _container(plan: Plan, name: str, image: str, command: list[str], *, role: s
     return c
 
 
-def _image(plan: Plan, gpus: int) -> str:
-    return plan.cfg.deploy.gpu_image if gpus else plan.cfg.deploy.image
-
-
 def _sidecar(plan: Plan, i: int, s: Server) -> dict[str, Any]:
     """A vLLM server as a native sidecar: started before the role's container, which
     waits for its startup probe (/health on the pod's loopback)."""
     v = plan.cfg.generation.vllm
-    env = [{"name": k, "value": val} for k, val in sorted(s.env(f"{DATA_DIR}/.cache/vllm")
-                                                           .items())]
-    probe = (f"import urllib.request; urllib.request.urlopen('{s.url}/health', timeout=2)")
-    return {"name": f"vllm-{i}", "image": _image(plan, int(s.gpu)),
+    env = [{"name": k, "value": val} for k, val in sorted(s.env(VLLM_CACHE).items())]
+    return {"name": f"vllm-{i}", "image": image_for(plan, int(s.gpu)),
             "imagePullPolicy": "IfNotPresent", "restartPolicy": "Always",
             "workingDir": DATA_DIR, "command": s.argv,
-            "env": [{"name": "HF_HOME", "value": f"{DATA_DIR}/.cache/huggingface"}, *env],
+            "env": [{"name": "HF_HOME", "value": HF_HOME}, *env],
             "volumeMounts": MOUNTS,
             "resources": _resources(1, int(s.gpu), plan.cfg.deploy.vllm_memory_gib),
-            "startupProbe": {"exec": {"command": [s.spec.python, "-c", probe]},
+            "startupProbe": {"exec": {"command": probe_argv(s)},
                              "periodSeconds": 5,
                              "failureThreshold": max(1, math.ceil(v.start_timeout_s / 5))},
             "securityContext": SECURE}
@@ -124,10 +129,8 @@ def _sidecar(plan: Plan, i: int, s: Server) -> dict[str, Any]:
 
 def _wait(plan: Plan, role: str) -> dict[str, Any]:
     """Init container: wait for the trainer's first announcement, as the pod's role."""
-    return _container(plan, "wait-trainer", plan.cfg.deploy.image,
-                      ["sluice", "deploy", "wait", CONFIG, "--role", role, "--trainer",
-                       "--timeout", "3600"], role=role,
-                      resources=_resources(0.1, 0, 0))
+    return _container(plan, "wait-trainer", plan.cfg.deploy.image, wait_trainer_argv(role),
+                      role=role, resources=_resources(0.1, 0, 0))
 
 
 def _pod(plan: Plan, containers: list[dict[str, Any]], init: list[dict[str, Any]],
@@ -152,7 +155,7 @@ def _role_deployment(plan: Plan, proc: Proc, replicas: int) -> dict[str, Any]:
     name = f"{plan.name}-{proc.role}"
     init = [_wait(plan, proc.role),
             *(_sidecar(plan, i, s) for i, s in enumerate(proc.servers))]
-    main = _container(plan, proc.role, _image(plan, proc.gpus),
+    main = _container(plan, proc.role, image_for(plan, proc.gpus),
                       proc.argv(CONFIG), role=proc.role, metrics=True,
                       resources=_resources(proc.cpus, proc.gpus, proc.memory_gib))
     return {"apiVersion": "apps/v1", "kind": "Deployment",
@@ -169,10 +172,10 @@ def _trainer(plan: Plan) -> list[dict[str, Any]]:
     cfg, d, t = plan.cfg, plan.cfg.deploy, plan.trainer
     name = f"{plan.name}-trainer"
     init = []
-    if cfg.model.init and not is_hub_id(cfg.model.path):
-        init.append(_container(plan, "init-model", d.image, [
-            "sh", "-c", '[ -d "$0" ] || exec sluice init-model "$0"', cfg.model.path],
-            resources=_resources(1, 0, 0)))
+    if plan.builds_model:
+        init.append(_container(plan, "init-model", d.image,
+                               ["sh", "-c", INIT_MODEL_SH, cfg.model.path],
+                               resources=_resources(1, 0, 0)))
     ranks = plan.ranks_per_node * d.trainer_nodes
     if ranks == 1:
         command = ["sluice", "train", CONFIG]
@@ -183,7 +186,7 @@ def _trainer(plan: Plan) -> list[dict[str, Any]]:
                    f"--rdzv-endpoint={name}-0.{name}:{d.rendezvous_port}",
                    f"--rdzv-id={plan.name}", f"--max-restarts={cfg.up.trainer_restarts}",
                    "-m", "sluice.cli", "train", CONFIG]
-    main = _container(plan, "trainer", _image(plan, t.gpus), command, role="trainer",
+    main = _container(plan, "trainer", image_for(plan, t.gpus), command, role="trainer",
                       metrics=True, resources=_resources(t.cpus, t.gpus, t.memory_gib))
     pod = _pod(plan, [main], init, "OnFailure")
     spec: dict[str, Any] = {"backoffLimit": cfg.up.max_restarts,
@@ -206,23 +209,19 @@ def _trainer(plan: Plan) -> list[dict[str, Any]]:
 def _redis(plan: Plan) -> list[dict[str, Any]]:
     d = plan.cfg.deploy
     name = f"{plan.name}-redis"
-    args = ["redis-server", "--port", str(d.redis_port), "--appendonly", "yes",
-            "--appendfsync", "everysec", "--save", "", "--dir", "/data"]
     mounts = [{"name": "redis-data", "mountPath": "/data"}]
     volumes = []
     if d.acl:
-        args += ["--aclfile", "/etc/redis/users.acl"]
-        mounts.append({"name": "acl", "mountPath": "/etc/redis", "readOnly": True})
+        mounts.append({"name": "acl", "mountPath": REDIS_ACL_DIR, "readOnly": True})
         volumes.append({"name": "acl", "secret": {"secretName": f"{plan.name}-redis-acl",
                                                  "defaultMode": 0o444}})
-    else:  # no password: the NetworkPolicy is all that keeps others out
-        args += ["--protected-mode", "no"]
     pvc: dict[str, Any] = {"accessModes": ["ReadWriteOnce"],
                            "resources": {"requests": {"storage": "10Gi"}}}
     if d.storage_class:
         pvc["storageClassName"] = d.storage_class
     container = {"name": "redis", "image": d.redis_image, "imagePullPolicy": "IfNotPresent",
-                 "command": args, "ports": [{"name": "redis", "containerPort": d.redis_port}],
+                 "command": redis_argv(plan),
+                 "ports": [{"name": "redis", "containerPort": d.redis_port}],
                  "readinessProbe": {"tcpSocket": {"port": d.redis_port}, "periodSeconds": 2},
                  "volumeMounts": mounts,
                  "resources": _resources(1, 0, d.redis_memory_gib), "securityContext": SECURE}
@@ -275,8 +274,7 @@ def render(plan: Plan, data: Mapping[str, Any]) -> Rendered:
     files.update(scaling_objects(plan, redis_host(plan)))
     for path, docs in files.items():
         r.add(path, dump_yaml(*docs, header=head))
-    url = (f"redis://{plan.name}-redis:{d.redis_port}/0" if plan.bundled
-           else cfg.bus.redis_url)
+    url = redis_url(plan, f"{plan.name}-redis")
     r.add("run.toml", run_config(plan, data, {"bus.redis_url": url,
                                               "metrics.port": d.metrics_port}))
     secrets = []

@@ -168,6 +168,13 @@ class Plan:
         return self.cfg.deploy.redis == "bundled"
 
     @property
+    def builds_model(self) -> bool:
+        """Whether the deployment builds ``model.path`` before the trainer starts
+        (``model.init`` names a recipe and the path is a folder, not a hub id); the
+        build is skipped at run time when the folder already exists."""
+        return bool(self.cfg.model.init) and not is_hub_id(self.cfg.model.path)
+
+    @property
     def lane_lag(self) -> int:
         """KEDA's lagCount per lane: the scorers' target split over the lanes, so the
         busiest lane's trigger asks for about total lag / ``deploy.scorer_lag`` replicas
@@ -352,8 +359,8 @@ def _credentials(cfg: Config) -> tuple[dict[str, Credentials], str]:
     return {r: creds[r] for r in deploy_roles(cfg)}, acl
 
 
-def slurm_mem_mb(gib: float) -> int:
-    """``--mem`` in MB (rounded up)."""
+def mem_mib(gib: float) -> int:
+    """``gib`` GiB in MiB, rounded up: Slurm's ``--mem`` unit, k8s's ``Mi``."""
     return math.ceil(gib * 1024)
 
 

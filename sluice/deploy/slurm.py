@@ -16,16 +16,23 @@ stop on the trainer's RunFinished), stops the servers, runs `sluice audit` again
 live Redis as its last step, stops Redis, and exits non-zero if the trainer or the audit
 failed. GPU requests are per step (``--gpus``); Slurm (or its cgroups) decides which GPU
 a step sees.
+
+The script's text is the Jinja2 template ``templates/sluice.sbatch.j2`` (package data);
+this module lays the processes out (`layout`), sizes the components and quotes every
+value the template receives, so the template itself never quotes or computes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shlex
 from collections.abc import Mapping
+from importlib import resources
 from typing import Any
 
-from pipeline.hub import is_hub_id
+import jinja2
+
 from sluice.deploy.files import Rendered
 from sluice.deploy.plan import (
     ARCHIVER_NAME,
@@ -33,11 +40,12 @@ from sluice.deploy.plan import (
     Proc,
     Server,
     credentials_toml,
-    slurm_mem_mb,
+    mem_mib,
 )
 from sluice.deploy.runconfig import run_config
 
 SCRIPT = "sluice.sbatch"
+TEMPLATE = "sluice.sbatch.j2"  # under templates/, beside this module
 TRAINER, GENERATORS = 0, 1  # het components
 
 
@@ -55,6 +63,28 @@ class Step:
     memory_gib: float = 0.0
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     health: str = ""  # a vLLM server's /health URL
+
+    @property
+    def node_ref(self) -> str:
+        """Its node as the script names it: ``"${TRAINER_NODES[i]}"`` or
+        ``"${GENERATOR_NODES[i]}"``."""
+        nodes = "TRAINER" if self.group == TRAINER else "GENERATOR"
+        return f'"${{{nodes}_NODES[{self.node}]}}"'
+
+    @property
+    def srun_opts(self) -> str:
+        """Its srun resource options (the step's share of its component)."""
+        return " ".join([f"--cpus-per-task={self.cpus}",
+                         *([f"--gpus={self.gpus}"] if self.gpus else [])])
+
+    @property
+    def command(self) -> str:
+        """Its command line as shell words: ``env VAR=…`` first when it has variables
+        (``$``-words kept as expansions, in double quotes), then ``argv`` (`q`)."""
+        env = [f"{k}={v}" if v.startswith("$") else f"{k}={shlex.quote(v)}"
+               for k, v in sorted(self.env.items())]
+        env_words = ["env", *[f'"{e}"' if "$" in e else e for e in env]] if env else []
+        return " ".join([*env_words, *map(q, self.argv)])
 
 
 def q(word: str) -> str:
@@ -123,161 +153,58 @@ def _sizes(plan: Plan, steps: list[Step], group: int, nodes: int) -> tuple[int, 
     return max(cpus, 1), gpus, mem
 
 
-def _sbatch(plan: Plan, steps: list[Step]) -> list[str]:
+def _components(plan: Plan, steps: list[Step]) -> list[dict[str, Any]]:
+    """The ``#SBATCH`` resources of the two het components, trainer's first."""
     d = plan.cfg.deploy
-    lines = [f"#SBATCH --job-name={plan.name}", f"#SBATCH --output={plan.name}-%j.out"]
-    if d.time_limit_min:
-        lines.append(f"#SBATCH --time={d.time_limit_min}")
+    out = []
     for group, nodes, part in ((TRAINER, d.trainer_nodes, d.partition),
                                (GENERATORS, d.generator_nodes, d.gpu_partition or d.partition)):
-        cpus, gpus, mem = _sizes(plan, steps, group, nodes)
-        if group:
-            lines.append("#SBATCH hetjob")
-        lines.append(f"#SBATCH --nodes={nodes} --ntasks-per-node=1 --cpus-per-task={cpus}")
-        if part:
-            lines.append(f"#SBATCH --partition={part}")
-        if gpus:
-            lines.append(f"#SBATCH --gpus-per-node={gpus}")
-        if mem:
-            lines.append(f"#SBATCH --mem={slurm_mem_mb(mem)}")
-    return lines
+        cpus, gpus, mem_gib = _sizes(plan, steps, group, nodes)
+        out.append({"nodes": nodes, "cpus": cpus, "gpus": gpus, "partition": part,
+                    "mem_mib": mem_mib(mem_gib) if mem_gib else 0})
+    return out
 
 
-def _step_fn(acl: bool) -> list[str]:
-    cred = ('  [ "$role" = - ] || export SLUICE_REDIS_CREDENTIALS_FILE="$SECRETS/$role.toml"'
-            if acl else "  :")
-    return [
-        "# step GROUP NODE NAME ROLE [srun options] -- COMMAND...: one process as one srun",
-        "# step in the background, pinned to a node, logged to $LOGS/NAME.log, logged in to",
-        "# Redis as ROLE (its own credentials file; - for none)",
-        "step() {",
-        '  local group=$1 node=$2 name=$3 role=$4; shift 4',
-        "  local opts=()",
-        '  while [ "$1" != -- ]; do opts+=("$1"); shift; done; shift',
-        "  (",
-        cred,
-        '  exec srun --het-group="$group" --nodelist="$node" --nodes=1 --ntasks=1 --overlap \\',
-        '    --kill-on-bad-exit=0 --output="$LOGS/$name.log" "${opts[@]}" "$@"',
-        "  ) &",
-        "}",
-        "as_monitor() {",
-        ('  SLUICE_REDIS_CREDENTIALS_FILE="$SECRETS/monitor.toml" "$@"' if acl else '  "$@"'),
-        "}",
-    ]
+def _torchrun(plan: Plan) -> dict[str, int] | None:
+    """torchrun's launch over the trainer's nodes; None for a single trainer process."""
+    d = plan.cfg.deploy
+    if plan.ranks_per_node * d.trainer_nodes <= 1:
+        return None
+    return {"nodes": d.trainer_nodes, "ranks_per_node": plan.ranks_per_node,
+            "rendezvous_port": d.rendezvous_port, "max_restarts": plan.cfg.up.trainer_restarts}
 
 
-def _node(s: Step) -> str:
-    return f'"${{{"TRAINER" if s.group == TRAINER else "GENERATOR"}_NODES[{s.node}]}}"'
-
-
-def _launch(s: Step, var: str) -> list[str]:
-    opts = [f"--cpus-per-task={s.cpus}"] + ([f"--gpus={s.gpus}"] if s.gpus else [])
-    env = [f"{k}={v}" if v.startswith("$") else f"{k}={shlex.quote(v)}"
-           for k, v in sorted(s.env.items())]
-    env_words = ["env", *[f'"{e}"' if "$" in e else e for e in env]] if env else []
-    words = [*env_words, *map(q, s.argv)]
-    return [f"step {s.group} {_node(s)} {s.name} {s.role} {' '.join(opts)} -- \\",
-            f"  {' '.join(words)}", f"{var}+=($!)"]
+@functools.cache
+def _template() -> jinja2.Template:
+    """The script's template (package data). No autoescape: it renders bash, and every
+    value reaching it is quoted here (`q`, `shlex.quote`) or needs no quoting (names
+    checked by the config, numbers, loopback URLs)."""
+    text = (resources.files("sluice.deploy") / "templates" / TEMPLATE).read_text()
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                             undefined=jinja2.StrictUndefined, autoescape=False)
+    return env.from_string(text)
 
 
 def script(plan: Plan) -> str:
+    """The sbatch script of ``plan`` (the module docstring says what it runs)."""
     cfg, d = plan.cfg, plan.cfg.deploy
     steps = layout(plan)
-    t = plan.trainer
-    out = ["#!/bin/bash",
-           f"# Run {plan.run!r} on Slurm: rendered by `sluice deploy render --target slurm`",
-           "# (docs/deploying.md). Submit from the directory the config's relative paths",
-           f"# start at:  sbatch DIR/{SCRIPT}   (SLUICE_VENV: the sluice virtualenv, default",
-           "# ./.venv; SLUICE_DEPLOY_DIR: this folder, found from the job by default).",
-           *_sbatch(plan, steps),
-           "set -uo pipefail",
-           'here=$(scontrol show job "$SLURM_JOB_ID" | sed -n "s/^ *Command=//p" | head -n 1)',
-           'DEPLOY_DIR=${SLUICE_DEPLOY_DIR:-$(cd "$(dirname "$here")" && pwd)}',
-           'CONFIG="$DEPLOY_DIR/run.toml"', 'SECRETS="$DEPLOY_DIR/secrets"',
-           'SLUICE_VENV=${SLUICE_VENV:-$PWD/.venv}', 'SLUICE="$SLUICE_VENV/bin/sluice"',
-           'PY="$SLUICE_VENV/bin/python"',
-           f"RUN_DIR={shlex.quote(cfg.run.output_dir)}", 'LOGS="$RUN_DIR/logs"',
-           'mkdir -p "$LOGS" "$RUN_DIR/redis"',
-           'mapfile -t TRAINER_NODES < <(scontrol show hostnames '
-           '"$SLURM_JOB_NODELIST_HET_GROUP_0")',
-           'mapfile -t GENERATOR_NODES < <(scontrol show hostnames '
-           '"$SLURM_JOB_NODELIST_HET_GROUP_1")',
-           "# the first trainer node's address as Slurm knows it (NodeAddr)",
-           'HEAD_ADDR=$(scontrol show node "${TRAINER_NODES[0]}" | grep -o "NodeAddr=[^ ]*" '
-           '| head -n 1 | cut -d= -f2)']
-    if plan.bundled:
-        out.append(f'REDIS_URL="redis://$HEAD_ADDR:{d.redis_port}/0"')
-    else:
-        out.append(f"REDIS_URL={shlex.quote(cfg.bus.redis_url)}")
-    out += ['BUS=(--set "bus.redis_url=$REDIS_URL")', "ROLES=() SERVERS=()",
-            *_step_fn(d.acl),
-            'fail() { echo "sluice: $*" >&2; tail -n 30 "$LOGS"/*.log >&2; exit 1; }']
-    model = cfg.model.path
-    if cfg.model.init and not is_hub_id(model):
-        out += [f"[ -d {q(model)} ] || \"$SLUICE\" init-model {q(model)} "
-                "|| fail \"cannot build the model\""]
-    if plan.bundled:
-        acl = ['--aclfile "$SECRETS/users.acl"'] if d.acl else []
-        out += ['REDIS_DIR=$(cd "$RUN_DIR/redis" && pwd)',
-                "step 0 \"${TRAINER_NODES[0]}\" redis - --cpus-per-task=1 -- \\",
-                f"  redis-server --port {d.redis_port} --bind \"$HEAD_ADDR\" "
-                '--dir "$REDIS_DIR" --pidfile "$REDIS_DIR/redis.pid" --appendonly yes '
-                f"--appendfsync everysec --save '' {' '.join(acl)}".rstrip(),
-                "REDIS_PID=$!"]
-    out += ['as_monitor "$SLUICE" deploy wait "$CONFIG" "${BUS[@]}" --role monitor --redis '
-            '--timeout 120 || fail "Redis did not answer"']
-    if plan.ranks_per_node * d.trainer_nodes > 1:
-        gpu = [f"--gpus-per-node={t.gpus}"] if t.gpus else []
-        cred = (['SLUICE_REDIS_CREDENTIALS_FILE="$SECRETS/trainer.toml"'] if d.acl else [])
-        out += [f"{' '.join(cred)} srun --het-group=0 --nodes={d.trainer_nodes} "
-                f"--ntasks-per-node=1 --overlap --cpus-per-task={t.cpus} {' '.join(gpu)} \\"
-                .replace("  ", " ").lstrip(),
-                '  --kill-on-bad-exit=1 --output="$LOGS/trainer-%t.log" \\',
-                f'  "$PY" -m torch.distributed.run --nnodes={d.trainer_nodes} '
-                f"--nproc-per-node={plan.ranks_per_node} \\",
-                f'  --rdzv-backend=c10d --rdzv-endpoint="$HEAD_ADDR:{d.rendezvous_port}" '
-                f'--rdzv-id="$SLURM_JOB_ID" --max-restarts={cfg.up.trainer_restarts} \\',
-                '  -m sluice.cli train "$CONFIG" "${BUS[@]}" &']
-    else:
-        opts = [f"--cpus-per-task={t.cpus}"] + ([f"--gpus={t.gpus}"] if t.gpus else [])
-        out += [f"step 0 \"${{TRAINER_NODES[0]}}\" trainer-0 trainer {' '.join(opts)} -- \\",
-                '  "$SLUICE" train "$CONFIG" "${BUS[@]}"']
-    out += ["TRAINER_PID=$!",
-            'as_monitor "$SLUICE" deploy wait "$CONFIG" "${BUS[@]}" --role monitor --trainer '
-            f'--timeout {int(cfg.generation.vllm.start_timeout_s) + 600} '
-            '|| fail "the trainer did not start"']
-    servers = [s for s in steps if s.health]
-    for s in servers:
-        out += _launch(s, "SERVERS")
-    for s in servers:  # loopback only: the check runs on the server's node
-        out += [f"srun --het-group={s.group} --nodelist={_node(s)} --nodes=1 --ntasks=1 "
-                "--overlap \\",
-                f'  "$SLUICE" deploy wait "$CONFIG" --http {s.health} '
-                f"--timeout {int(cfg.generation.vllm.start_timeout_s)} "
-                f'|| fail "vLLM server {s.name} did not start"']
-    for s in steps:
-        if not s.health:
-            out += _launch(s, "ROLES")
-    out += [
-        'wait "$TRAINER_PID"; TRAINER_RC=$?',
-        'echo "sluice: the trainer exited with $TRAINER_RC"',
-        "# the other roles stop on the trainer's RunFinished; then they are stopped",
-        f"deadline=$((SECONDS + {d.grace_s}))",
-        'for p in "${ROLES[@]}"; do',
-        '  while kill -0 "$p" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 1; done',
-        "done",
-        'for p in "${ROLES[@]}" "${SERVERS[@]}"; do kill -TERM "$p" 2>/dev/null; done',
-        'for p in "${ROLES[@]}" "${SERVERS[@]}"; do wait "$p"; done',
-        'as_monitor "$SLUICE" audit "$RUN_DIR" --config "$CONFIG" "${BUS[@]}"; AUDIT_RC=$?',
-    ]
-    if plan.bundled:
-        out += ["# SIGTERM to Redis itself (this script runs on its node): it writes its AOF",
-                'kill -TERM "$(cat "$REDIS_DIR/redis.pid")"; wait "$REDIS_PID"']
-    out += ['[ "$TRAINER_RC" -ne 0 ] && exit "$TRAINER_RC"', 'exit "$AUDIT_RC"']
-    return "\n".join(out) + "\n"
+    start_timeout_s = int(cfg.generation.vllm.start_timeout_s)
+    return _template().render(
+        run_repr=repr(plan.run), script=SCRIPT, job=plan.name,
+        time_limit_min=d.time_limit_min, components=_components(plan, steps),
+        run_dir=shlex.quote(cfg.run.output_dir), bundled=plan.bundled,
+        redis_port=d.redis_port, redis_url=shlex.quote(cfg.bus.redis_url), acl=d.acl,
+        init_model=q(cfg.model.path) if plan.builds_model else "",
+        trainer=plan.trainer, torchrun=_torchrun(plan),
+        trainer_timeout_s=start_timeout_s + 600, server_timeout_s=start_timeout_s,
+        servers=[s for s in steps if s.health], roles=[s for s in steps if not s.health],
+        grace_s=d.grace_s)
 
 
 def render(plan: Plan, data: Mapping[str, Any]) -> Rendered:
+    """The script, run.toml (no ``bus.redis_url``: the script passes it to every role),
+    and with ``deploy.acl`` each role's credentials file and the bundled Redis's users.acl."""
     r = Rendered()
     r.add(SCRIPT, script(plan), 0o755)
     r.add("run.toml", run_config(plan, data, {"bus.redis_url": None}))

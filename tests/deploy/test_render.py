@@ -4,7 +4,9 @@ reaches a manifest, a script or a command line. No Redis, no cluster: seconds.""
 
 from __future__ import annotations
 
+import itertools
 import stat
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -229,3 +231,44 @@ def test_an_archiving_run_places_one_archiver_with_its_own_redis_user(
     assert " archiver" not in (out / "sluice.sbatch").read_text()
     assert not (out / "secrets" / "archiver.toml").exists()
 
+
+
+SLURM_PLANS = {  # (example, --set overrides): the branches of the script's template
+    "one host, no ACL": ("copy", ["deploy.acl=false"]),
+    "external Redis": ("copy", ["deploy.redis=external",
+                                "bus.redis_url=redis://redis.example:6380/2"]),
+    "torchrun over two nodes": ("copy", ["up.trainer_ranks=4", "deploy.trainer_nodes=2",
+                                         "trainer.device=cuda", "deploy.acl=false"]),
+    "archive, partitions, time limit": ("copy", [
+        "archive.enabled=true", "deploy.partition=cpu", "deploy.gpu_partition=gpu",
+        "deploy.time_limit_min=120", "deploy.role_memory_gib=2.5"]),
+    "vLLM and LoRA over two generator nodes": ("gsm8k", [
+        "up.generators=2", "generation.vllm.launch=2", "deploy.generator_nodes=2",
+        "model.lora.rank=8", "up.trainer_ranks=2", "deploy.evaluator_with=generators",
+        "deploy.scorers_with=generators"]),
+}
+
+
+@pytest.mark.parametrize("plan", sorted(SLURM_PLANS))
+def test_every_branch_of_the_slurm_template_renders_a_script_bash_parses(
+        plan: str, tmp_path: Path, creds: dict[str, Path]) -> None:
+    """The committed examples cover two plans; these cover the template's other branches:
+    what comes out is one script bash parses, with no template syntax left, no blank line
+    (a stray newline of the template) and every continued line continued."""
+    example, sets = SLURM_PLANS[plan]
+    rc, out = _render(tmp_path, "slurm", *sets, creds=creds[example],
+                      config=str(EXAMPLES[example]))
+    assert rc == 0
+    script = (out / "sluice.sbatch").read_text()
+    check = subprocess.run(["bash", "-n", str(out / "sluice.sbatch")], capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stderr
+    assert not any(mark in script for mark in ("{{", "{%", "{#")), script
+    lines = script.splitlines()
+    assert "" not in lines and script.endswith("\n")
+    for line, after in itertools.pairwise(lines):
+        if line.endswith("\\"):
+            assert after.startswith("  "), (line, after)
+    if "torchrun" in plan:
+        assert "srun --het-group=0 --nodes=2 --ntasks-per-node=1 --overlap" in script
+        assert "--nproc-per-node=2" in script and "--gpus-per-node=2 \\" in script

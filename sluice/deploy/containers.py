@@ -1,0 +1,69 @@
+"""What the two container targets, k8s and compose, share: where a role's container finds
+the config and its caches, which image it runs, the environment every role starts with,
+the bundled Redis's command, and the commands of the helpers around the roles (building
+the model, waiting for the trainer, probing a vLLM server's /health).
+
+Invariant: a container of either target sees the same paths (the shared volume at
+`DATA_DIR`, its working directory; the config at `CONFIG`; the ACL file at `REDIS_ACL`),
+so every command here is the same on both; only how each target wires volumes, secrets
+and start order differs (`k8s`, `compose`).
+"""
+
+from __future__ import annotations
+
+from sluice.deploy.plan import DATA_DIR, Plan, Server
+
+CONFIG_DIR = "/etc/sluice"
+CONFIG = f"{CONFIG_DIR}/run.toml"
+"""The rendered ``run.toml``, mounted read-only into every container."""
+HF_HOME = f"{DATA_DIR}/.cache/huggingface"
+"""The Hugging Face cache on the shared volume, shared by every role."""
+VLLM_CACHE = f"{DATA_DIR}/.cache/vllm"
+"""The vLLM servers' cache root (``VLLM_CACHE_ROOT``) on the shared volume."""
+REDIS_ACL_DIR = "/etc/redis"
+REDIS_ACL = f"{REDIS_ACL_DIR}/users.acl"
+"""Where the bundled Redis's container finds the users.acl of the render."""
+ROLE_ENV = {"HF_HOME": HF_HOME, "PYTHONUNBUFFERED": "1"}
+"""The variables every role's container starts with, in this order."""
+INIT_MODEL_SH = '[ -d "$0" ] || exec sluice init-model "$0"'
+"""``sh -c`` script that builds the model folder named by ``$0`` unless it exists."""
+TRAINER_WAIT_S = 3600
+"""How long the roles' wait for the trainer's first announcement may take."""
+
+
+def image_for(plan: Plan, gpus: int) -> str:
+    """The GPU image (``deploy.gpu_image``) for a process that asks for a GPU, the plain
+    one (``deploy.image``) otherwise."""
+    return plan.cfg.deploy.gpu_image if gpus else plan.cfg.deploy.image
+
+
+def redis_argv(plan: Plan) -> list[str]:
+    """The bundled Redis: AOF on the container's /data, and the ACL file's users when
+    ``deploy.acl`` (else no password and protected mode off: the network, the NetworkPolicy
+    on k8s, is all that keeps others out)."""
+    d = plan.cfg.deploy
+    argv = ["redis-server", "--port", str(d.redis_port), "--appendonly", "yes",
+            "--appendfsync", "everysec", "--save", "", "--dir", "/data"]
+    return argv + (["--aclfile", REDIS_ACL] if d.acl else ["--protected-mode", "no"])
+
+
+def redis_url(plan: Plan, bundled_host: str) -> str:
+    """``bus.redis_url`` of the rendered run.toml: the bundled Redis at ``bundled_host``
+    (its Service or service name), or the external Redis's URL as given."""
+    if plan.bundled:
+        return f"redis://{bundled_host}:{plan.cfg.deploy.redis_port}/0"
+    return plan.cfg.bus.redis_url
+
+
+def wait_trainer_argv(role: str) -> list[str]:
+    """Wait, logged in as ``role``, until the trainer has announced (`sluice deploy
+    wait`); the roles that read its versions start after it."""
+    return ["sluice", "deploy", "wait", CONFIG, "--role", role, "--trainer",
+            "--timeout", str(TRAINER_WAIT_S)]
+
+
+def probe_argv(server: Server) -> list[str]:
+    """A health check of ``server`` run inside its container: its /health on loopback
+    within 2 s, with the server's own Python."""
+    probe = f"import urllib.request; urllib.request.urlopen('{server.url}/health', timeout=2)"
+    return [server.spec.python, "-c", probe]
