@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -211,11 +210,6 @@ def _local_folder(path: str | Path, revision: str) -> str:
     from pipeline.hub import resolve_model
 
     return resolve_model(str(path), revision).local_dir
-
-
-def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read a safetensors file into CPU tensors keyed exactly as ``model.state_dict()``."""
-    return load_file(str(path), device="cpu")
 
 
 def model_state_for_publish(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 from redis.exceptions import ResponseError
 
-from pipeline.bus.client import Bus, decode_reply, group_view, merge_views
+from pipeline.bus.client import Bus
 from pipeline.bus.codec import DecodeError, decode_entry
 from pipeline.bus.keys import ARCHIVERS_GROUP, RETIRE_REASONS, SCORERS_GROUP, TRAINERS_GROUP, Keys
 from pipeline.bus.lanes import add_states
+from pipeline.bus.replies import decode_reply, group_view, merge_views
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup, WeightsPublished
 
 PIPELINE_GROUPS = (("rollouts", SCORERS_GROUP), ("scored", TRAINERS_GROUP))

@@ -26,11 +26,12 @@ from collections import OrderedDict
 from typing import Any
 
 from pipeline.archive import backlog as archive_backlog
-from pipeline.bus.client import Bus, Entry
+from pipeline.bus.client import Bus
 from pipeline.bus.codec import peek_group_id
 from pipeline.bus.inbound import triage
 from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger, dead_event
+from pipeline.bus.replies import Entry
 from pipeline.bus.schema import Limits, ScoredGroup
 from pipeline.config import Config
 from pipeline.metrics import RoleMetrics

@@ -44,10 +44,11 @@ from typing import Any
 from pipeline.archive.format import Item, row_of, table_of
 from pipeline.archive.store import ArchiveStore, archive_url, write_dispositions
 from pipeline.bus import control
-from pipeline.bus.client import Bus, Entry, worker_id
+from pipeline.bus.client import Bus, worker_id
 from pipeline.bus.codec import DecodeError, decode_entry, peek_group_id
 from pipeline.bus.keys import ARCHIVERS_GROUP
 from pipeline.bus.ledger import Ledger
+from pipeline.bus.replies import Entry, as_str
 from pipeline.bus.schema import RunFinished, ScoredGroup
 from pipeline.config import Config, ConfigError
 from pipeline.metrics import start as start_metrics
@@ -132,7 +133,7 @@ class Archiver:
             rows = await bus.retrying(lambda s=stream: bus.r.xpending_range(
                 s, ARCHIVERS_GROUP, min="-", max="+", count=1 << 20,
                 consumername=self.consumer), "pending", stop)
-            ids = [i for r in rows if (stream, i := _s(r["message_id"])) in self.recovered]
+            ids = [i for r in rows if (stream, i := as_str(r["message_id"])) in self.recovered]
             for i in ids:
                 self.settle_recovered(i, *self.recovered[(stream, i)])
             if ids:
@@ -311,10 +312,6 @@ def decoder_and_task(cfg: Config) -> tuple[Decoder, Task, str]:
 
     tokenizer = load_tokenizer(folder)
     return full_decoder(tokenizer), task_from_config(cfg, tokenizer), f"full: {why}"
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def preflight(cfg: Config) -> None:

@@ -59,11 +59,12 @@ from typing import Any
 import numpy as np
 
 from pipeline.bus import control
-from pipeline.bus.client import Bus, Entry, worker_id
+from pipeline.bus.client import Bus, worker_id
 from pipeline.bus.codec import DecodeError, decode, encode, peek_group_id
 from pipeline.bus.inbound import triage
 from pipeline.bus.keys import ARCHIVERS_GROUP, SCORERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger, dead_event
+from pipeline.bus.replies import Entry
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup
 from pipeline.config import Config
 from pipeline.metrics import start as start_metrics

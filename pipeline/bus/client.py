@@ -27,6 +27,11 @@ Every stream operation of sluice goes through `Bus`. Delivery rules enforced her
   `handoff_many`): one round trip, each script still atomic and idempotent on its own.
 - Nothing here trims unconsumed entries; streams are bounded by admission, and
   `trim_acked` frees only entries every consumer group has acknowledged, by id.
+
+`Bus` is written in four modules: this one (connection, retries, consumer groups, state,
+heartbeats), `pipeline.bus.admission` (the generator's admission and lease writes),
+`pipeline.bus.trainer_writes` (the trainer's lock, fences and announcement) and
+`pipeline.bus.replies` (the reply types, such as `Entry`, and their parsing).
 """
 
 from __future__ import annotations
@@ -37,22 +42,31 @@ import logging
 import os
 import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, MovedError, ResponseError
 
 from pipeline.bus import scripts as lua
+from pipeline.bus.admission import AdmissionWrites
 from pipeline.bus.codec import FIELD
 from pipeline.bus.connection import CLIENT_OPTIONS, ClusterModeError, async_client
 from pipeline.bus.dlq import record as dlq_record
-from pipeline.bus.fencing import call_fenced, token_arg
+from pipeline.bus.fencing import call_fenced
 from pipeline.bus.keys import GROUP_ROLE, HEARTBEAT_ROLES, RETIRE_REASONS, Keys
 from pipeline.bus.lanes import Lanes, add_states
+from pipeline.bus.replies import (
+    Entry,
+    GroupView,
+    as_str,
+    entry_id_order,
+    group_view,
+    merge_views,
+    read_entries,
+)
 from pipeline.bus.security import TLSFiles, client_options
+from pipeline.bus.trainer_writes import TrainerWrites
 from pipeline.bus.transient import transient
 
 log = logging.getLogger("sluice.bus")
@@ -60,89 +74,23 @@ log = logging.getLogger("sluice.bus")
 T = TypeVar("T")
 
 
-@dataclass
-class Admission:
-    """What one admission call got: its cursors (possibly none: the gate is closed) and
-    ``state.version`` when they were admitted."""
-
-    version: int
-    cursors: list[int]
-
-
-@dataclass
-class Entry:
-    """One stream entry as read by a consumer; ``fields`` is None if it was deleted."""
-
-    id: str
-    fields: dict[bytes, bytes] | None
-    deliveries: int = 1
-    stream: str = ""
-    """The stream key it was read from: with partitions, the lane that owns it."""
-
-
-@dataclass
-class GroupView:
-    """One consumer group of a stream at one instant (XINFO GROUPS): ``lag`` = entries
-    never delivered to the group (None when Redis cannot tell: entries were deleted),
-    ``pending`` = delivered and not acknowledged; ``exists`` is False for a missing stream
-    or group (then both read 0)."""
-
-    exists: bool
-    lag: int | None
-    pending: int
-    info: dict[str, Any]
-
-
-def decode_reply(v: Any) -> Any:
-    """A Redis reply with every bytes key and value (nested) decoded to str."""
-    if isinstance(v, bytes):
-        return v.decode()
-    if isinstance(v, dict):
-        return {decode_reply(k): decode_reply(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [decode_reply(x) for x in v]
-    return v
-
-
-def group_view(infos: Any, group: str) -> GroupView:
-    """``group``'s row of an XINFO GROUPS reply; ``infos`` may be the error a pipeline
-    returned for a missing stream. Pure: `sluice status` and the roles' metrics read
-    lag and pending through it, so they agree."""
-    info: dict[str, Any] = {}
-    if not isinstance(infos, Exception):
-        info = next((decode_reply(g) for g in infos or []
-                     if decode_reply(g.get("name")) == group), {})
-    lag = info.get("lag") if info else 0
-    return GroupView(exists=bool(info), lag=None if lag is None else int(lag),
-                     pending=int(info.get("pending", 0) or 0), info=info)
-
-
-def merge_views(views: list[GroupView]) -> GroupView:
-    """One consumer group over every lane of a stream: lags and pending summed (the lag
-    unknown if any lane's is)."""
-    if len(views) == 1:
-        return views[0]
-    lags = [v.lag for v in views]
-    return GroupView(exists=any(v.exists for v in views),
-                     lag=None if any(x is None for x in lags) else sum(x or 0 for x in lags),
-                     pending=sum(v.pending for v in views),
-                     info=next((v.info for v in views if v.exists), {}))
-
-
 def worker_id(role: str, name: str | None = None) -> str:
     """``role/host-pid`` unless a stable name is given (trainer ranks resume by name)."""
     return f"{role}/{name or f'{socket.gethostname()}-{os.getpid()}'}"
 
 
-class Bus:
-    """Async access to one run's streams and state. Create with `Bus.connect`."""
+class Bus(AdmissionWrites, TrainerWrites):
+    """Async access to one run's streams and state. Create with `Bus.connect`.
+
+    The one wrapper every role uses; its generator writes (`AdmissionWrites`) and
+    trainer writes (`TrainerWrites`) are written in their own modules and mixed in here,
+    sharing this client, its keys, its lanes and ``fence``."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, *, reconnect_max_s: float = 10.0,
                  partitions: int = 1):
         self.r = client
         self.lanes = Lanes(keys, partitions)
-        self._next_lane = 0  # where the next admission starts (round-robin over lanes)
-        self._next_read: dict[tuple[str, str], int] = {}  # the same for each read_lanes
+        self._next_read: dict[tuple[str, str], int] = {}  # where each read_lanes starts
         self.cluster = isinstance(client, aioredis.RedisCluster)
         self._node_opts: dict[str, Any] = {}  # login/TLS options for `slot_client`
         self._slot_clients: dict[tuple[str, int], aioredis.Redis] = {}
@@ -156,20 +104,11 @@ class Bus:
         self._handoff = client.register_script(lua.HANDOFF)
         self._dead = client.register_script(lua.fenced(lua.DEAD_LETTER))
         self._ack = client.register_script(lua.fenced(lua.ACK))
-        self._announce = client.register_script(lua.fenced(lua.ANNOUNCE))
-        self._abandon = client.register_script(lua.ABANDON)
-        self._skip = client.register_script(lua.SKIP)
-        self._admit = client.register_script(lua.ADMIT)
-        self._set_version = client.register_script(lua.fenced(lua.SET_VERSION))
-        self._emit = client.register_script(lua.EMIT)
-        self._renew = client.register_script(lua.RENEW)
-        self._takeover = client.register_script(lua.TAKEOVER)
         self._trim = client.register_script(lua.TRIM_ACKED)
         self._retire_consumer = client.register_script(lua.RETIRE_CONSUMER)
         self._prune = client.register_script(lua.PRUNE_CONSUMERS)
-        self._trainer_lock = client.register_script(lua.TRAINER_LOCK)
-        self._raise_fence = client.register_script(lua.RAISE_FENCE)
-        self._release = client.register_script(lua.RELEASE_LOCK)
+        self._init_admission(client)
+        self._init_trainer_writes(client)
 
     @classmethod
     def connect(cls, url: str, run: str, *, reconnect_max_s: float = 10.0,
@@ -282,7 +221,7 @@ class Bus:
         start = self._backlog.get(backlog_key, "0")
         if start is not None:
             resp = await self.r.xreadgroup(group, consumer, {stream: start}, count=count)
-            entries = _entries(resp, stream)
+            entries = read_entries(resp, stream)
             if entries:
                 self._backlog[backlog_key] = entries[-1].id
                 counts = await self.delivery_counts(stream, group, [e.id for e in entries])
@@ -292,7 +231,7 @@ class Bus:
             self._backlog[backlog_key] = None
         resp = await self.r.xreadgroup(group, consumer, {stream: ">"}, count=count,
                                        block=block_ms)
-        return _entries(resp, stream)
+        return read_entries(resp, stream)
 
     async def read_lanes(self, name: str, group: str, consumer: str, *, count: int,
                          block_ms: int) -> list[Entry]:
@@ -326,9 +265,9 @@ class Bus:
     async def delivery_counts(self, stream: str, group: str, ids: list[str]) -> dict[str, int]:
         if not ids:
             return {}
-        lo, hi = min(ids, key=_id_key), max(ids, key=_id_key)
+        lo, hi = min(ids, key=entry_id_order), max(ids, key=entry_id_order)
         rows = await self.r.xpending_range(stream, group, min=lo, max=hi, count=len(ids) + 1000)
-        return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        return {as_str(r["message_id"]): int(r["times_delivered"]) for r in rows}
 
     async def reclaim(self, stream: str, group: str, consumer: str, *, min_idle_ms: int,
                       count: int) -> list[Entry]:
@@ -337,12 +276,12 @@ class Bus:
         resp = await self.r.xautoclaim(stream, group, consumer, min_idle_time=min_idle_ms,
                                        start_id="0-0", count=count)
         claimed = resp[1] if len(resp) > 1 else []
-        entries = [Entry(_s(i), f, stream=stream) for i, f in claimed if i is not None]
+        entries = [Entry(as_str(i), f, stream=stream) for i, f in claimed if i is not None]
         counts = await self.delivery_counts(stream, group, [e.id for e in entries])
         for e in entries:
             e.deliveries = counts.get(e.id, 1)
         deleted = resp[2] if len(resp) > 2 else []
-        entries += [Entry(_s(i), None, stream=stream) for i in deleted]
+        entries += [Entry(as_str(i), None, stream=stream) for i in deleted]
         return entries
 
     def _op(self, group: str, op: str, stream: str) -> str:
@@ -376,7 +315,7 @@ class Bus:
         done = await call_fenced(self._retire, lane.state, self.fence,
                                  [stream, lane.state, self._op(group, op, stream)],
                                  [group, reason, *ids])
-        return [_s(i) for i in done or []]
+        return [as_str(i) for i in done or []]
 
     async def handoff(self, src: str, group: str, entry_id: str, dst: str,
                       payload: bytes, op: str) -> str | None:
@@ -392,7 +331,7 @@ class Bus:
         got = await lua.pipelined(self.r, self._handoff, [
             ([src, dst, self._op(group, op, src)], [group, entry_id, FIELD, payload])
             for entry_id, payload, op in items])
-        return [_s(i) if i else None for i in got]
+        return [as_str(i) if i else None for i in got]
 
     async def dead_letter(self, src: str, group: str, entry: Entry, *, reason: str, role: str,
                           retire: bool, op: str) -> bool:
@@ -428,173 +367,20 @@ class Bus:
         """Remove consumers idle longer than ``idle_ms`` with nothing pending."""
         return int(await self._prune(keys=[stream], args=[group, idle_ms]))
 
-    # ------------------------------------------------------------ state, gate, workers
-
-    async def admit_many(self, window: int, owner: str, lease_ms: int, count: int,
-                         op: str | None = None) -> Admission:
-        """Claim up to ``count`` admission cursors (fewer as the window allows: in flight
-        stays below ``window``), each leased to ``owner`` for ``lease_ms`` (renew with
-        `renew`), in one script call; with the run's ``state.version`` at that moment.
-        Idempotent per ``op`` (default: a fresh one per call), so a call retried after a
-        lost reply gets the same cursors instead of leaking leases to expiry."""
-        op = op or f"admit:{owner}:{uuid.uuid4().hex}"
-        lanes = self.lanes
-        if lanes.partitions == 1:
-            got = await self._admit(keys=[self.keys.state, self.keys.leases,
-                                          self.keys.op("generator", op)],
-                                    args=[window, owner, lease_ms, max(count, 0)])
-            return Admission(version=int(got[0]), cursors=[int(c) for c in got[1:]])
-        # with lanes: each lane admits within its share of the window, starting where the
-        # last call left off so the lanes fill evenly; one op per lane keeps it idempotent
-        cursors: list[int] = []
-        version = 0
-        for i in range(lanes.partitions):
-            lane = (self._next_lane + i) % lanes.partitions
-            k = lanes.keys[lane]
-            got = await self._admit(keys=[k.state, k.leases, k.op("generator", f"{op}:{lane}")],
-                                    args=[lanes.window(window, lane), owner, lease_ms,
-                                          max(count - len(cursors), 0)])
-            version = max(version, int(got[0]))
-            cursors += [lanes.join(lane, int(c)) for c in got[1:]]
-            if len(cursors) >= count:
-                break
-        self._next_lane = (self._next_lane + 1) % lanes.partitions
-        return Admission(version=version, cursors=cursors)
-
-    async def admit(self, window: int, owner: str = "anon", lease_ms: int = 60_000
-                    ) -> int | None:
-        """Claim the next admission cursor if fewer than ``window`` groups are in flight
-        (`admit_many` of one)."""
-        cursors = (await self.admit_many(window, owner, lease_ms, 1)).cursors
-        return cursors[0] if cursors else None
-
-    async def renew(self, owner: str, cursors: list[int], lease_ms: int) -> list[int]:
-        """Extend ``owner``'s leases; returns the cursors it no longer holds."""
-        if not cursors:
-            return []
-        lost: list[int] = []
-        for lane, locals_ in self._by_lane(cursors).items():
-            k = self.lanes.keys[lane]
-            got = await self._renew(keys=[k.leases], args=[owner, lease_ms, *locals_])
-            lost += [self.lanes.join(lane, int(c)) for c in got or []]
-        return lost
-
-    def _by_lane(self, cursors: list[int]) -> dict[int, list[int]]:
-        """Global cursors grouped by lane, as local cursors."""
-        out: dict[int, list[int]] = {}
-        for c in cursors:
-            out.setdefault(c % self.lanes.partitions, []).append(c // self.lanes.partitions)
-        return out
-
-    async def takeover(self, owner: str, lease_ms: int, max_count: int) -> list[int]:
-        """Take over up to ``max_count`` expired leases (admitted groups whose generator
-        died before appending them); the caller must generate and emit them."""
-        taken: list[int] = []
-        for lane, k in enumerate(self.lanes.keys):
-            if len(taken) >= max_count:
-                break
-            got = await self._takeover(keys=[k.leases],
-                                       args=[owner, lease_ms, max_count - len(taken)])
-            taken += [self.lanes.join(lane, int(c)) for c in got or []]
-        return taken
-
-    async def emit(self, payload: bytes, *, cursor: int, owner: str,
-                   op: str | None = None) -> str | None:
-        """Append the admitted group ``cursor`` to ``rollouts`` if ``owner`` still holds its
-        lease (and count it out of ``generating``); None if it does not (the lease was
-        taken over: the new owner appends it). Idempotent per op (default: per cursor and
-        owner)."""
-        return (await self.emit_many([(cursor, payload, op or f"emit:{cursor}:{owner}")],
-                                     owner))[0]
-
-    async def emit_many(self, groups: list[tuple[int, bytes, str]], owner: str
-                        ) -> list[str | None]:
-        """`emit` of several ``(cursor, payload, op)`` in one round trip
-        (`pipeline.bus.scripts.pipelined`); the new ids (None where ``owner`` had lost the
-        lease), in order."""
-        calls = []
-        for cursor, payload, op in groups:
-            k, local = self.lanes.split(cursor)
-            calls.append(([k.rollouts, k.state, k.leases, k.op("generator", op)],
-                          [local, owner, FIELD, payload]))
-        got = await lua.pipelined(self.r, self._emit, calls)
-        return [_s(i) if i else None for i in got]
-
-    async def abandon(self, group_id: str, *, cursor: int, owner: str, reason: str,
-                      role: str, op: str | None = None) -> bool:
-        """Retire an admitted group that will never be appended (its generation failed
-        for good) as ``dead``, with a dlq record naming it and the reason; only while
-        ``owner`` holds its lease. Idempotent per (cursor, owner)."""
-        k, local = self.lanes.split(cursor)
-        done = await self._abandon(
-            keys=[k.state, k.dlq, k.leases,
-                  k.op("generator", op or f"abandon:{cursor}:{owner}")],
-            args=[local, owner, b"reason", reason.encode()[:2000], b"role", role.encode(),
-                  b"group_id", group_id.encode(), b"t", str(time.time()).encode()])
-        return bool(done)
-
-    async def skip(self, cursor: int, *, owner: str, op: str) -> bool:
-        """Retire an admitted group ``filtered`` without generating it (its prompt was
-        skipped by ``generation.filter_prompt``); only while ``owner`` holds its lease.
-        Idempotent per op."""
-        k, local = self.lanes.split(cursor)
-        return bool(await self._skip(keys=[k.state, k.leases, k.op("generator", op)],
-                                     args=[local, owner]))
-
-    async def trainer_lock(self, holder: str, ttl_ms: int, token: int | None = None
-                           ) -> tuple[str, int, bool]:
-        """Acquire (``token`` None: a new generation) or refresh (``token``: the
-        generation ``holder`` holds) the run's trainer lock (`pipeline.bus.scripts.
-        TRAINER_LOCK`); returns (the holder after the call: ``holder`` itself, the job
-        that holds it, or ``""``; the generation: the fencing token,
-        `pipeline.bus.fencing`; whether this call set the lock: taken, or taken back
-        after it expired)."""
-        got, gen, taken = await self._trainer_lock(
-            keys=[self.keys.trainer_lock, self.keys.state],
-            args=[holder, ttl_ms, token_arg(token)])
-        return _s(got), int(gen), bool(taken)
-
-    async def raise_lane_fences(self, generation: int) -> None:
-        """Copy the lock's generation into every lane's ``state`` (only forward), where
-        the lanes' fenced scripts read it: the new holder does this before anything else."""
-        for key in self.lanes.state_keys():
-            await self._raise_fence(keys=[key], args=[generation])
-
-    async def release_trainer_lock(self, holder: str) -> None:
-        """Drop the lock if ``holder`` has it, in one compare-and-delete script (a clean
-        stop frees the run at once; never deletes another job's lock)."""
-        await self._release(keys=[self.keys.trainer_lock], args=[holder])
-
-    async def announce(self, payload: bytes, version: int, *, maxlen: int) -> str:
-        """Append a weight announcement to ``control`` and move the global
-        ``state.version`` in one fenced script, then the lanes' mirrors
-        (`set_version`); returns the entry id."""
-        entry = await call_fenced(self._announce, self.keys.state, self.fence,
-                                  [self.keys.control, self.keys.state],
-                                  [maxlen, version, FIELD, payload])
-        await self.set_version(version)
-        return _s(entry)
-
-    async def set_version(self, version: int) -> bool:
-        """Move ``state.version`` forward, in the global state and its mirror in every
-        lane (where the admission script reads it); True if the global one moved.
-        Fenced: a trainer that lost its lock moves nothing."""
-        moved = [bool(await call_fenced(self._set_version, key, self.fence, [key], [version]))
-                 for key in self.lanes.state_keys()]
-        return moved[0]
+    # ------------------------------------------------------------ state, workers
 
     async def state(self) -> dict[str, int]:
         """The run's ``state``: with lanes, their counters summed (`add_states`)."""
         hashes = []
         for key in self.lanes.state_keys():
             raw = await self.r.hgetall(key)
-            hashes.append({_s(k): int(v) for k, v in raw.items()})
+            hashes.append({as_str(k): int(v) for k, v in raw.items()})
         lane_keys = {k.state for k in self.lanes.keys}
         return add_states(hashes[0], [h for key, h in zip(self.lanes.state_keys(), hashes,
                                                            strict=True) if key in lane_keys])
 
     async def xadd(self, stream: str, payload: bytes, *, maxlen: int | None = None) -> str:
-        return _s(await self.r.xadd(stream, {FIELD: payload}, maxlen=maxlen, approximate=True))
+        return as_str(await self.r.xadd(stream, {FIELD: payload}, maxlen=maxlen, approximate=True))
 
     async def stream_stats(self, streams: Sequence[str], groups: Sequence[tuple[str, str]]
                            ) -> tuple[dict[str, int | None], dict[tuple[str, str], GroupView]]:
@@ -634,22 +420,7 @@ class Bus:
         out: dict[str, dict[str, Any]] = {}
         for role in HEARTBEAT_ROLES:
             raw = await self.r.hgetall(self.keys.heartbeats(role))
-            out.update({_s(k): json.loads(v) for k, v in raw.items()})
+            out.update({as_str(k): json.loads(v) for k, v in raw.items()})
         return out
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _entries(resp: Any, stream: str) -> list[Entry]:
-    out: list[Entry] = []
-    for _stream, items in resp or []:
-        for entry_id, fields in items:
-            out.append(Entry(_s(entry_id), fields or None, stream=stream))
-    return out

@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from pipeline.bus.client import Bus, Entry
+from pipeline.bus.client import Bus
 from pipeline.bus.codec import DecodeError, decode_entry
+from pipeline.bus.replies import Entry
 from pipeline.bus.schema import Limits, RolloutGroup, ScoredGroup
 
 M = TypeVar("M")

@@ -161,10 +161,6 @@ class Keys:
             raise ValueError(f"op keys belong to one of {OP_ROLES}, not {role!r}")
         return f"{self.prefix}:op:{role}:{op_id}"
 
-    def op_pattern(self, role: str) -> str:
-        """The glob of ``role``'s op keys (what its ACL user is granted)."""
-        return self.op(role, "*")
-
     def stream(self, name: str) -> str:
         """Full key of a stream given its short name (``rollouts``, ``scored``, …)."""
         if name not in ("rollouts", "scored", "control", "dlq"):

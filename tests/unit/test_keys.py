@@ -73,7 +73,7 @@ def test_op_keys_are_namespaced_by_the_role_that_owns_the_call() -> None:
     assert k.op("trainer", "trained:trainer-0:1:1-0") == \
         "sluice:{copy}:op:trainer:trained:trainer-0:1:1-0"
     assert _hash_tag(k.op("scorer", "x")) == "copy"
-    assert k.op_pattern("generator") == "sluice:{copy}:op:generator:*"
+    assert k.op("generator", "*") == "sluice:{copy}:op:generator:*"
     assert {GROUP_ROLE[g] for g in (SCORERS_GROUP, TRAINERS_GROUP)} <= set(OP_ROLES)
     for role in ("monitor", "evaluator", "admin", "", "trainer:x"):
         with pytest.raises(ValueError, match="op keys belong to"):

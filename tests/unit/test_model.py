@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from pipeline.model import (
     build_char_tokenizer,
     init_tiny_model,
     load_model,
-    load_state_dict_file,
     model_state_for_publish,
 )
 
@@ -118,7 +117,7 @@ def test_publish_and_reload_state_dict(model_dir: Path, tmp_path: Path) -> None:
     assert torch.equal(sd["lm_head.weight"], before)
 
     save_file(sd, str(tmp_path / "w.safetensors"))
-    loaded = load_state_dict_file(tmp_path / "w.safetensors")
+    loaded = load_file(str(tmp_path / "w.safetensors"), device="cpu")
     dst = load_model(init_tiny_model(tmp_path / "other", seed=1))[0]
     dst.load_state_dict(loaded)
     ref = load_model(model_dir)[0]
