@@ -55,7 +55,7 @@ from transformers.utils import logging as hf_logging
 from pipeline.model import init_tiny_model, load_model, model_state_for_publish
 from pipeline.runtime import set_threads
 from pipeline.weights import FileTransport, read_full
-from sluice.vllm_server import LocalServer, ServerSpec, launch
+from sluice.vllm_launch import LocalServer, ServerSpec, launch
 from workers.engines.base import Completion, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.engines.vllm import VLLMEngine

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from redis.exceptions import NoPermissionError
@@ -231,6 +231,18 @@ def connect(cfg: Config, role: str | None = None) -> Bus:
                        role=role, credentials_file=cfg.bus.credentials_file,
                        tls=tls_files(cfg), cluster=cfg.bus.cluster,
                        partitions=cfg.bus.partitions)
+
+
+@contextlib.asynccontextmanager
+async def connected(cfg: Config, role: str | None = None) -> AsyncIterator[Bus]:
+    """`connect` for the length of an ``async with`` block: the bus is closed however the
+    block is left (a short-lived reader such as `sluice status` or an audit must not
+    leave its connections open on an error)."""
+    bus = connect(cfg, role)
+    try:
+        yield bus
+    finally:
+        await bus.close()
 
 
 def redis_options(cfg: Config, role: str | None = None) -> dict[str, Any]:

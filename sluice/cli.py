@@ -1,16 +1,14 @@
 """The `sluice` command: one face for every role.
 
-This is the one module of ``pipeline/`` allowed to import ``workers/`` and ``trainer/``
-(lazily, per subcommand), since it dispatches to them.
+It parses, runs the roles' preflights and dispatches: it imports ``workers/`` and
+``trainer/`` lazily, per subcommand, so a command loads only what it runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline.config import Config, ConfigError, load_config
@@ -28,11 +26,7 @@ def _allow_change_arg(p: argparse.ArgumentParser) -> None:
                    "saved in its run.json (this one then becomes the run's)")
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="sluice", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
-    p = sub.add_parser("up", help="run every role on this machine (embedded Redis)")
+def _up_args(p: argparse.ArgumentParser) -> None:
     _config_args(p)
     p.add_argument("--fresh", action="store_true",
                    help="delete run.output_dir first instead of resuming it (refused for a "
@@ -41,23 +35,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=float, default=None, metavar="S",
                    help="held-out evaluation at most every S seconds (default eval.every_s)")
 
-    for name, help_ in (("generate", "run one generator"), ("score", "run one scorer"),
-                        ("train", "run the trainer (rank 0)")):
-        p = sub.add_parser(name, help=help_)
-        _config_args(p)
-        p.add_argument("--name", default=None,
-                       help="stable consumer/worker name (default: host-pid; trainer: rank)")
-        _allow_change_arg(p)
-    p = sub.add_parser("archive", help="run the archiver: every scored group to Parquet "
-                       "(archive.enabled; docs/archive.md)")
+
+def _role_args(p: argparse.ArgumentParser) -> None:
+    """`sluice generate|score|train`."""
+    _config_args(p)
+    p.add_argument("--name", default=None,
+                   help="stable consumer/worker name (default: host-pid; trainer: rank)")
+    _allow_change_arg(p)
+
+
+def _archive_args(p: argparse.ArgumentParser) -> None:
     _config_args(p)
     p.add_argument("--name", default=None, help="stable consumer name (default archiver-0)")
     _allow_change_arg(p)
     p.add_argument("--dispositions", action="store_true",
                    help="only (re)write the archive's dispositions.parquet from the ledgers")
 
-    p = sub.add_parser("replay", help="train again on an archive, step for step as the "
-                       "original trainer did (no generators, scorers or Redis)")
+
+def _replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", metavar="ARCHIVE_OR_RUN",
                    help="a run's output_dir (its ledger has the steps) or an archive path/URL")
     p.add_argument("--config", required=True, help="run TOML to replay with")
@@ -68,32 +63,35 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help="replay only the first N steps")
 
-    p = sub.add_parser("trace", help="the life of one group: every hop, its wait, how it "
-                       "ended (from the ledgers and the archive)")
+
+def _trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN", help="the run's output_dir")
     p.add_argument("gid", help="group id, <epoch>:<prompt index>")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("eval", help="follow the run and score held-out prompts per version")
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
     _config_args(p)
     p.add_argument("--name", default=None)
     _allow_change_arg(p)
     p.add_argument("--every", type=float, default=None, metavar="S",
                    help="at most every S seconds (default eval.every_s)")
 
-    p = sub.add_parser("tail", help="follow a stream, one decoded line per entry")
+
+def _tail_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("stream", choices=["rollouts", "scored", "control", "dlq"])
     _config_args(p, required=False)
     p.add_argument("--from-start", action="store_true")
     p.add_argument("--count", type=int, default=None, help="exit after this many entries")
 
-    p = sub.add_parser("status", help="streams, lag, pending, workers, version, conservation")
+
+def _status_args(p: argparse.ArgumentParser) -> None:
     _config_args(p, required=False)
     p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
     p.add_argument("--watch", type=float, default=0.0, metavar="S", help="refresh every S s")
 
-    p = sub.add_parser("audit", help="check a run's delivery history (ledgers) for losses, "
-                       "duplicates, stale training and counter drift")
+
+def _audit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the run's output_dir (holds ledger/)")
     p.add_argument("--config", default=None, help="run TOML: compare with its Redis counters "
                    "(default: run_dir/state.json, written when `sluice up` stops)")
@@ -101,7 +99,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drained", action="store_true",
                    help="also require that no admitted group is still in flight")
 
-    p = sub.add_parser("export", help="write a run's weights as a Hugging Face model folder")
+
+def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the run's output_dir (holds weights/, checkpoints/)")
     p.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
     p.add_argument("--version", type=int, default=None, metavar="N",
@@ -114,12 +113,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="run TOML, for runs without run.json")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
 
-    p = sub.add_parser("init-model", help="build the tiny char-level Qwen2 model and tokenizer")
+
+def _init_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
 
-    p = sub.add_parser("acl", help="render deploy/redis/users.acl: one Redis user per role, "
-                       "fresh passwords (users.acl + credentials.toml, mode 0600)")
+
+def _acl_args(p: argparse.ArgumentParser) -> None:
     _config_args(p, required=False)
     p.add_argument("--out", required=True, metavar="DIR", help="where to write both files")
     p.add_argument("--all-runs", action="store_true",
@@ -127,8 +127,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="overwrite existing credentials (rotates every password)")
 
-    p = sub.add_parser("deploy", help="render a Slurm job, Kubernetes manifests or a compose "
-                       "project for the run (docs/deploying.md)")
+
+def _deploy_args(p: argparse.ArgumentParser) -> None:
     dsub = p.add_subparsers(dest="deploy_cmd", required=True)
     d = dsub.add_parser("render", help="write the target's files from the config")
     _config_args(d)
@@ -144,6 +144,40 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--http", action="append", default=[], metavar="URL",
                    help="the URL answers 200 (repeatable)")
     d.add_argument("--timeout", type=float, default=300.0, metavar="S")
+
+
+SUBCOMMANDS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] = (
+    ("up", "run every role on this machine (embedded Redis)", _up_args),
+    ("generate", "run one generator", _role_args),
+    ("score", "run one scorer", _role_args),
+    ("train", "run the trainer (rank 0)", _role_args),
+    ("archive", "run the archiver: every scored group to Parquet (archive.enabled; "
+     "docs/archive.md)", _archive_args),
+    ("replay", "train again on an archive, step for step as the original trainer did (no "
+     "generators, scorers or Redis)", _replay_args),
+    ("trace", "the life of one group: every hop, its wait, how it ended (from the ledgers "
+     "and the archive)", _trace_args),
+    ("eval", "follow the run and score held-out prompts per version", _eval_args),
+    ("tail", "follow a stream, one decoded line per entry", _tail_args),
+    ("status", "streams, lag, pending, workers, version, conservation", _status_args),
+    ("audit", "check a run's delivery history (ledgers) for losses, duplicates, stale "
+     "training and counter drift", _audit_args),
+    ("export", "write a run's weights as a Hugging Face model folder", _export_args),
+    ("init-model", "build the tiny char-level Qwen2 model and tokenizer", _init_model_args),
+    ("acl", "render deploy/redis/users.acl: one Redis user per role, fresh passwords "
+     "(users.acl + credentials.toml, mode 0600)", _acl_args),
+    ("deploy", "render a Slurm job, Kubernetes manifests or a compose project for the run "
+     "(docs/deploying.md)", _deploy_args),
+)
+"""Every subcommand, in the order ``sluice --help`` lists them: (name, help, the function
+that adds its arguments)."""
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="sluice", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, help_, add_args in SUBCOMMANDS:
+        add_args(sub.add_parser(name, help=help_))
     return ap
 
 
@@ -261,96 +295,6 @@ def _load(args: argparse.Namespace) -> Config:
     return load_config(args.config, args.overrides)
 
 
-def _status(cfg: Config, as_json: bool, watch_s: float) -> int:
-    from rich.console import Console
-    from rich.live import Live
-
-    from pipeline.runtime import connect
-    from sluice.monitor import render_status, snapshot
-
-    async def once() -> dict:
-        bus = connect(cfg, role="monitor")
-        try:
-            return await snapshot(bus)
-        finally:
-            await bus.close()
-
-    if as_json:
-        print(json.dumps(asyncio.run(once()), default=str, indent=1))
-        return 0
-    console = Console()
-    if not watch_s:
-        console.print(render_status(asyncio.run(once()), cfg.trainer.window))
-        return 0
-    import time
-
-    with Live(console=console, auto_refresh=False) as live:
-        try:
-            while True:
-                live.update(render_status(asyncio.run(once()), cfg.trainer.window), refresh=True)
-                time.sleep(watch_s)
-        except KeyboardInterrupt:
-            return 0
-
-
-def _tail(cfg: Config, stream: str, from_start: bool, count: int | None) -> int:
-    from pipeline.runtime import connect
-    from sluice.monitor import tail
-
-    async def go() -> None:
-        bus = connect(cfg, role="monitor")
-        try:
-            await tail(bus, stream, from_start=from_start, count=count,
-                       out=lambda s: print(s, flush=True))
-        finally:
-            await bus.close()
-
-    try:
-        asyncio.run(go())
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-def _audit(args: argparse.Namespace) -> int:
-    """Exit 0 if the history is clean, 1 with the violations listed otherwise."""
-    from pathlib import Path
-
-    from pipeline.bus.audit import LiveView, audit, live_view, pending_intents
-    from pipeline.bus.ledger import read_ledgers
-
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "ledger").is_dir():
-        raise ValueError(f"{run_dir} has no ledger/ directory (run.ledger = false, or not a "
-                         "run's output_dir)")
-    state, num_generations, live = None, None, None
-    rows = read_ledgers(run_dir)
-    if args.config:
-        cfg = load_config(args.config, args.overrides)
-        num_generations = cfg.generation.num_generations
-
-        async def fetch() -> LiveView:
-            from pipeline.runtime import connect
-
-            bus = connect(cfg, role="monitor")
-            try:
-                return await live_view(bus, pending_intents(rows))
-            finally:
-                await bus.close()
-
-        live = asyncio.run(fetch())
-    elif (run_dir / "state.json").is_file():
-        saved = json.loads((run_dir / "state.json").read_text())
-        state, num_generations = saved["state"], saved.get("num_generations")
-    archived = bool(args.config and cfg.archive.enabled)
-    report = audit(run_dir, state, num_generations=num_generations, drained=args.drained,
-                   live=live, rows=rows, archive=archived)
-    print(report.summary())
-    if state is None and live is None:
-        print("(counters not checked: give --config, or run_dir/state.json)")
-    return 0 if report.ok else 1
-
-
 def _replay(args: argparse.Namespace) -> int:
     """Exit 0 when every planned step was replayed (and, against a run directory, every
     version both weight stores hold is bit-identical: say so), 1 when the replay stopped
@@ -389,7 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(init_tiny_model(args.dir, seed=args.seed))
             return 0
         if args.cmd == "audit":
-            return _audit(args)
+            from sluice.audit_run import audit_command
+
+            return audit_command(args.run_dir, args.config, args.overrides, args.drained)
         if args.cmd == "export":
             from sluice.export import main as export_main
 
@@ -426,9 +372,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_up(cfg, args.config, args.overrides, eval_every_s=args.eval_every)
     if args.cmd == "status":
-        return _status(cfg, args.json, args.watch)
+        from sluice.monitor import status_command
+
+        return status_command(cfg, args.json, args.watch)
     if args.cmd == "tail":
-        return _tail(cfg, args.stream, args.from_start, args.count)
+        from sluice.monitor import tail_command
+
+        return tail_command(cfg, args.stream, args.from_start, args.count)
 
     try:
         _run_role(cfg, args)

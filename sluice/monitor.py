@@ -1,4 +1,5 @@
-"""Read-only views of a run: `snapshot` (for `sluice status`) and `tail` (follow a stream).
+"""Read-only views of a run: `snapshot` (for `sluice status`) and `tail` (follow a stream),
+and the two commands on them (`status_command`, `tail_command`).
 
 The monitor never writes. `snapshot` reads state and both consumer groups of each lane in
 one MULTI, so the conservation equation it reports is checked on one instant of the bus
@@ -13,6 +14,7 @@ where ``generating`` counts groups admitted but not yet appended to ``rollouts``
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -25,6 +27,8 @@ from pipeline.bus.keys import ARCHIVERS_GROUP, RETIRE_REASONS, SCORERS_GROUP, TR
 from pipeline.bus.lanes import add_states
 from pipeline.bus.replies import decode_reply, group_view, merge_views
 from pipeline.bus.schema import RolloutGroup, RunFinished, ScoredGroup, WeightsPublished
+from pipeline.config import Config
+from pipeline.runtime import connected
 
 PIPELINE_GROUPS = (("rollouts", SCORERS_GROUP), ("scored", TRAINERS_GROUP))
 
@@ -296,4 +300,46 @@ async def tail(bus: Bus, stream: str, *, from_start: bool = False, count: int | 
         if not got and block_ms is None:
             await asyncio.sleep(0.2)
     return n
-    return n
+
+
+def status_command(cfg: Config, as_json: bool, watch_s: float) -> int:
+    """`sluice status`: one `snapshot` (as JSON, or rendered), or with ``watch_s`` a
+    rendered one refreshed every ``watch_s`` seconds until Ctrl-C. Each look runs in an
+    event loop of its own and so connects afresh (a bus belongs to the loop it was made
+    in)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    async def once() -> dict[str, Any]:
+        async with connected(cfg, role="monitor") as bus:
+            return await snapshot(bus)
+
+    if as_json:
+        print(json.dumps(asyncio.run(once()), default=str, indent=1))
+        return 0
+    console = Console()
+    if not watch_s:
+        console.print(render_status(asyncio.run(once()), cfg.trainer.window))
+        return 0
+    with Live(console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                live.update(render_status(asyncio.run(once()), cfg.trainer.window), refresh=True)
+                time.sleep(watch_s)
+        except KeyboardInterrupt:
+            return 0
+
+
+def tail_command(cfg: Config, stream: str, from_start: bool, count: int | None) -> int:
+    """`sluice tail`: `tail` to stdout, one flushed line per entry, until ``count``
+    entries or Ctrl-C (exit 0 either way)."""
+    async def go() -> None:
+        async with connected(cfg, role="monitor") as bus:
+            await tail(bus, stream, from_start=from_start, count=count,
+                       out=lambda s: print(s, flush=True))
+
+    try:
+        asyncio.run(go())
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -6,7 +6,8 @@ URLs) → trainer (publishes v0 and creates the consumer groups) → the archive
 ``archive.enabled``) → scorers → generators → evaluator. The servers are stopped by PID
 after every role has exited, all at once (`stop_all`), while the summary and the audit
 run. Roles talk only through Redis; this supervisor only starts
-them, reads heartbeats and state, and stops them.
+them, reads heartbeats and state, and stops them (the children themselves:
+`sluice.supervisor`; the end-of-run audit: `sluice.audit_run`).
 With ``up.metrics`` (the default) each role serves Prometheus ``/metrics`` on a free
 loopback port chosen at each (re)start (`pipeline.metrics`; `sluice status` lists them).
 
@@ -27,36 +28,26 @@ stack dump when there is one), never hidden behind a pipeline that looks healthy
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.bus import control
-from pipeline.bus.security import COMMAND_ROLES
 from pipeline.config import Config, ConfigError
 from pipeline.evaluation import parse_target
-from pipeline.ports import free_port
-from pipeline.runtime import STACKS_SIGNAL, connect, freeze_for_exit, log_tail, redis_options
+from pipeline.runtime import connect, connected, freeze_for_exit
+from sluice.audit_run import audit_at_end
 from sluice.embedded import EmbeddedRedis
-from sluice.hang_report import hang_report
 from sluice.monitor import snapshot
 from sluice.restarts import RestartPolicy
-from sluice.samples import ScorerSamples
-from sluice.up_credentials import role_credentials_override, role_env
-from sluice.up_servers import launches_eval_server, split_servers, urls_override, vllm_specs
-from sluice.vllm_server import LocalServer, ServerSpec, launch, stop_all
+from sluice.supervisor import Supervisor
+from sluice.vllm_launch import LocalServer, ServerSpec, launch, stop_all
+from sluice.vllm_placement import launches_eval_server, vllm_specs
 
-STACKS_WAIT_S = 2.0  # for a role to write its stacks before it is killed
-TAIL_REACH_LINES = 800  # how far a failure report reaches back for a dump's start: its
-# Python stacks and the hang report (native stacks capped at NATIVE_MAX_LINES) together
 EXIT_AFTER_FINISH_S = 60.0
 """How long the supervisor waits for the trainer to exit once it has announced the end
 of the run (after its final checkpoint: only closing connections, the ledger and the
@@ -65,225 +56,10 @@ its stacks, SIGKILL) and reported as failed: a hang at exit is a bug to see in s
 not a run that sits at its last step until ``max_time_s``."""
 
 
-@dataclass
-class Child:
-    role: str
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    spawned: float = field(default_factory=time.time)
-    threads: int = 1
-    extra: list[str] = field(default_factory=list)
-    restart_at: float | None = None  # crashed: restart at this time (time.time())
-
-    def tail(self, n: int = 30) -> str:
-        """The end of the role's log, from the start of its last stack dump or hang
-        report (`record_hang`) when it ends inside one."""
-        try:
-            return log_tail(self.log.read_text(errors="replace"), n, most=TAIL_REACH_LINES)
-        except OSError:
-            return ""
-
-
-@dataclass
-class Supervisor:
-    cfg: Config
-    config_path: str
-    overrides: list[str]
-    eval_every_s: float | None = None  # None: eval.every_s
-    children: list[Child] = field(default_factory=list)
-    t0: float = field(default_factory=time.time)
-    samples: ScorerSamples = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = ScorerSamples(self.t0)
-
-    def spawn(self, role: str, name: str, threads: int, extra: list[str] | None = None
-              ) -> Child:
-        out = self.cfg.output_path
-        (out / "logs").mkdir(parents=True, exist_ok=True)
-        log = out / "logs" / f"{name}.log"
-        args = [sys.executable, "-m", "sluice.cli", role, self.config_path]
-        if role == "train" and self.cfg.up.trainer_ranks > 1:  # one torchrun job
-            args = [sys.executable, "-m", "torch.distributed.run",
-                    "--nproc_per_node", str(self.cfg.up.trainer_ranks),
-                    "--max-restarts", str(self.cfg.up.trainer_restarts),
-                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                    "-m", "sluice.cli", "train", self.config_path]
-        # its own /metrics port (up.metrics), fresh on every start: a restarted role never
-        # waits for its old port, and one taken since `free_port` fails only that start
-        port = free_port() if self.cfg.up.metrics else 0
-        # each child logs in as its own role (pipeline.bus.security): it is pointed at a file
-        # of its own role's credentials only, and inherits no other role's password or the
-        # every-role credentials file from the environment (sluice.up_credentials)
-        own = role_credentials_override(self.cfg, COMMAND_ROLES[role])
-        for o in [*self.overrides, f"bus.redis_url={self.cfg.redis_url}", f"metrics.port={port}",
-                  *own]:
-            args += ["--set", o]
-        args += ["--name", name, *(extra or [])]
-        env = {**role_env(os.environ, COMMAND_ROLES[role]),
-               "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-               "PYTHONUNBUFFERED": "1"}
-        spawned = time.time()
-        with open(log, "ab") as f:
-            proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
-        child = Child(role, name, proc, log, spawned, threads, list(extra or []))
-        self.children.append(child)
-        return child
-
-    def respawn(self, old: Child) -> Child:
-        """Start ``old``'s role again under its name (same arguments, same log file,
-        appended), in its place in `children` (the trainer stays first)."""
-        i = self.children.index(old)
-        new = self.spawn(old.role, old.name, old.threads, old.extra)
-        self.children[i] = self.children.pop()
-        return new
-
-    def handle_crashes(self, policy: RestartPolicy) -> Child | None:
-        """Restart crashed roles (`sluice.restarts`): a crash is reported at once on
-        stderr with the role's log tail, and the role is started again after its backoff.
-        Returns the child to stop the run for (crashed once too often), else None."""
-        now = time.time()
-        for ch in list(self.children):
-            rc = ch.proc.poll()
-            if rc in (None, 0):
-                continue
-            if ch.restart_at is None:
-                delay = policy.on_crash(ch.name, now)
-                if delay is None:
-                    return ch
-                ch.restart_at = now + delay
-                print(f"\n{ch.name} exited with code {rc}; restarting it in {delay:g} s "
-                      f"(crash {policy.count(ch.name)} of at most {policy.max_restarts + 1} "
-                      f"in {policy.window_s:g} s). Last lines of {ch.log}:\n{ch.tail(12)}\n",
-                      file=sys.stderr, flush=True)
-            elif now >= ch.restart_at:
-                self.respawn(ch)
-        return None
-
-    def start_roles(self, trainer_ready_s: float = 300.0, vllm_urls: list[str] | None = None,
-                    eval_urls: list[str] | None = None) -> None:
-        """Trainer first; the others once it heartbeats (it has then created the groups,
-        announced its weights and cleared an old end-of-run marker)."""
-        c = self.cfg
-        self.spawn("train", "trainer-0", c.trainer.threads, urls_override(vllm_urls or []))
-        self.wait_for_trainer(trainer_ready_s)
-        if c.archive.enabled:  # the trainer created its group: nothing is trimmed unarchived
-            self.spawn("archive", "archiver-0", 1)
-        for i in range(c.up.scorers):
-            self.spawn("score", f"scorer-{i}", 1)
-        for i in range(c.up.generators):
-            mine = split_servers(vllm_urls, c.up.generators)[i] if vllm_urls else []
-            extra = urls_override(mine)
-            self.spawn("generate", f"generator-{i}", c.generation.threads, extra)
-        every = [] if self.eval_every_s is None else ["--every", str(self.eval_every_s)]
-        if eval_urls:
-            every += ["--set", f"eval.vllm_urls={json.dumps(eval_urls)}"]
-        self.spawn("eval", "evaluator", 1, every)
-
-    def wait_for_trainer(self, timeout_s: float) -> None:
-        from pipeline.bus.connection import sync_client
-        from pipeline.bus.keys import Keys
-
-        client = sync_client(self.cfg.redis_url, cluster=self.cfg.bus.cluster,
-                             **redis_options(self.cfg, "monitor"))
-        key = Keys(self.cfg.run.name).heartbeats("trainer")
-        deadline = time.time() + timeout_s
-        trainer = self.children[0]
-        spawned = trainer.spawned
-
-        def ready() -> bool:  # a heartbeat from THIS trainer (its rank 0), not an old one
-            raw = client.hget(key, "trainer/trainer-0")
-            return raw is not None and json.loads(raw).get("started", 0) >= spawned
-
-        try:
-            while not ready():
-                if trainer.proc.poll() is not None:
-                    raise RuntimeError(f"the trainer exited with {trainer.proc.returncode} "
-                                       f"before it was ready:\n{trainer.tail()}")
-                if time.time() > deadline:
-                    raise TimeoutError(f"the trainer was not ready within {timeout_s} s")
-                time.sleep(0.2)
-        finally:
-            client.close()
-
-    def terminate(self, grace_s: float = 20.0) -> None:
-        """SIGTERM every running child; one still running ``grace_s`` later is asked for
-        its threads' stacks (`pipeline.runtime.STACKS_SIGNAL`, into its log), gets what
-        ``/proc`` and a native-stack tool say of its threads appended to its log
-        (`record_hang`), and is then killed; the failure report's tail shows both."""
-        for ch in self.children:
-            if ch.proc.poll() is None:
-                stop_gracefully(ch.proc)
-        deadline = time.time() + grace_s
-        for ch in self.children:
-            try:
-                ch.proc.wait(max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                print(f"{ch.name} did not stop within {grace_s:g} s of SIGTERM; its "
-                      f"threads' stacks go to {ch.log}; killing it", file=sys.stderr)
-                signal_role(ch.proc, STACKS_SIGNAL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    ch.proc.wait(STACKS_WAIT_S)  # the dump itself never exits the role
-                if ch.proc.poll() is None:
-                    record_hang(ch)
-                ch.proc.kill()
-                ch.proc.wait()
-
-
-def record_hang(ch: Child) -> None:
-    """Append `sluice.hang_report.hang_report` of a straggler (each rank of a
-    torchrun job too) to its log, while it still hangs: thread names, states, kernel
-    waits and system calls, and native stacks where a tool can attach (bounded). Best
-    effort: a report that cannot be written is skipped, the kill goes on."""
-    try:
-        with open(ch.log, "a", errors="replace") as f:
-            for pid in dict.fromkeys([ch.proc.pid, *role_pids(ch.proc)]):
-                f.write("\n" + hang_report(pid) + "\n")
-    except OSError as e:
-        print(f"{ch.name}: could not write its hang report to {ch.log}: {e}",
-              file=sys.stderr)
-
-
-def child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux ``/proc``; empty elsewhere)."""
-    out = []
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(d.name))
-    return sorted(out)
-
-
-def stop_gracefully(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM a role. A torchrun job (the trainer with ``up.trainer_ranks`` > 1) gets it
-    on its ranks, not on torchrun: rank 0 then stops every rank, writes the final
-    checkpoint, and torchrun exits 0 with them (torchrun itself answers SIGTERM by
-    exiting with an error although its ranks stopped cleanly)."""
-    signal_role(proc, signal.SIGTERM)
-
-
-def signal_role(proc: subprocess.Popen[bytes], sig: signal.Signals | None) -> None:
-    """Send ``sig`` to a role's process, or to each rank of a torchrun job."""
-    if sig is None:
-        return
-    for pid in role_pids(proc):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def role_pids(proc: subprocess.Popen[bytes]) -> list[int]:
-    """The process a role runs in: its own, or each rank's of a torchrun job."""
-    is_job = "torch.distributed.run" in " ".join(map(str, proc.args))  # type: ignore[arg-type]
-    return (child_pids(proc.pid) if is_job else []) or [proc.pid]
-
-
 def status_line(sup: Supervisor, snap: dict[str, Any]) -> dict[str, Any]:
+    """What the progress line shows (`progress_text`), from a `snapshot` and the
+    supervisor's samples of the scorers' counters; ``groups_per_s`` is over the whole
+    run so far."""
     tr = next((w for wid, w in snap["workers"].items() if wid.startswith("trainer/")), {})
     ev = next((w for wid, w in snap["workers"].items() if wid.startswith("evaluator/")), {})
     last = tr.get("last", {})
@@ -317,73 +93,84 @@ async def finished_announced(bus: Any) -> bool:
 
 
 def fmt(x: Any, spec: str = ".3f") -> str:
+    """``x`` formatted by ``spec``, or "-" when it is not known yet."""
     return "-" if x is None else format(x, spec)
 
 
+def progress_text(s: dict[str, Any], shown: str) -> str:
+    """The progress line of `status_line` ``s``; ``shown`` is the eval metric it shows."""
+    return (f"step {s['step']}/{s['max_steps']}  reward {fmt(s['reward'])}  "
+            + (f"exact {fmt(s['exact'])}  " if s["exact"] is not None else "")
+            + f"eval {shown} {fmt(s['eval'].get(shown))}  "
+            f"stale {fmt(s['staleness'], '.2f')}  {s['groups_per_s']:.1f} groups/s  "
+            f"gate {s['gate']}"
+            + (f"  reward errors {s['reward_errors']}" if s["reward_errors"] else "")
+            + (f"  dlq {s['dlq']}" if s["dlq"] else ""))
+
+
+def stop_reason(sup: Supervisor, stop: asyncio.Event, policy: RestartPolicy,
+                finished_at: float | None) -> str | None:
+    """Why the run ends now, from what this process sees without Redis (None: it goes
+    on). Restarts crashed roles on the way (`Supervisor.handle_crashes`). A trainer that
+    exited 0, or one still running `EXIT_AFTER_FINISH_S` after its `RunFinished` was
+    first seen (``finished_at``), ends it as "finished"."""
+    cfg = sup.cfg
+    if stop.is_set():
+        return "interrupted"
+    if cfg.run.max_time_s and time.time() - sup.t0 > cfg.run.max_time_s:
+        return "max_time_s"
+    bad = sup.handle_crashes(policy)
+    if bad is not None:
+        return (f"{bad.name} exited with code {bad.proc.returncode}"
+                + (f" ({policy.count(bad.name)} crashes in "
+                   f"{policy.window_s:g} s)" if policy.max_restarts else ""))
+    if sup.children[0].proc.poll() == 0:  # the trainer finished the run
+        return "finished"
+    if finished_at is not None and time.time() - finished_at > EXIT_AFTER_FINISH_S:
+        print(f"sluice: the trainer announced the end of the run but has not exited "
+              f"{EXIT_AFTER_FINISH_S:g} s later; stopping it", file=sys.stderr)
+        return "finished"
+    return None
+
+
 async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
-    """Watch the run until it ends; returns why it ended."""
+    """Watch the run until it ends (`stop_reason`, or ``up.stop_at`` met by the
+    evaluator), showing its progress; returns why it ended."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     cfg = sup.cfg
-    bus = connect(cfg, role="monitor")
     console = Console(stderr=True)
     live = console.is_terminal
     progress = Progress(TextColumn("[bold]sluice[/]"), BarColumn(), TextColumn("{task.fields[s]}"),
                         TimeElapsedColumn(), console=console, disable=not live)
     task = progress.add_task("train", total=cfg.trainer.max_steps, s="starting")
     last_print = 0.0
-    reason = "finished"
-    u = cfg.up
-    policy = RestartPolicy(max_restarts=u.max_restarts, window_s=u.restart_window_s)
+    policy = RestartPolicy(max_restarts=cfg.up.max_restarts, window_s=cfg.up.restart_window_s)
     target = parse_target(cfg.up.stop_at)
     shown = target.metric if target else "pass@1"  # the eval metric on the progress line
     finished_at: float | None = None  # when the trainer's RunFinished was first seen
-    with progress:
-        while True:
-            if stop.is_set():
-                reason = "interrupted"
-                break
-            if cfg.run.max_time_s and time.time() - sup.t0 > cfg.run.max_time_s:
-                reason = "max_time_s"
-                break
-            bad = sup.handle_crashes(policy)
-            if bad is not None:
-                reason = (f"{bad.name} exited with code {bad.proc.returncode}"
-                          + (f" ({policy.count(bad.name)} crashes in "
-                             f"{policy.window_s:g} s)" if policy.max_restarts else ""))
-                break
-            if sup.children[0].proc.poll() == 0:  # the trainer finished the run
-                break
-            if finished_at is not None and time.time() - finished_at > EXIT_AFTER_FINISH_S:
-                print(f"sluice: the trainer announced the end of the run but has not exited "
-                      f"{EXIT_AFTER_FINISH_S:g} s later; stopping it", file=sys.stderr)
-                break
-            try:
-                snap = await snapshot(bus)
-            except Exception:
+    async with connected(cfg, role="monitor") as bus:
+        with progress:
+            while (reason := stop_reason(sup, stop, policy, finished_at)) is None:
+                try:
+                    snap = await snapshot(bus)
+                except Exception:
+                    await asyncio.sleep(0.5)
+                    continue
+                sup.samples.record(snap)
+                if finished_at is None and await finished_announced(bus):
+                    finished_at = time.time()
+                s = status_line(sup, snap)
+                if target is not None and target.met(s["eval"]):
+                    return f"stop_at {target} reached"
+                text = progress_text(s, shown)
+                progress.update(task, completed=s["step"], s=text)
+                if not live and time.time() - last_print > 10:
+                    last_print = time.time()
+                    print(f"[{time.time() - sup.t0:6.0f}s] {text}", file=sys.stderr,
+                          flush=True)
                 await asyncio.sleep(0.5)
-                continue
-            sup.samples.record(snap)
-            if finished_at is None and await finished_announced(bus):
-                finished_at = time.time()
-            s = status_line(sup, snap)
-            if target is not None and target.met(s["eval"]):
-                reason = f"stop_at {target} reached"
-                break
-            text = (f"step {s['step']}/{s['max_steps']}  reward {fmt(s['reward'])}  "
-                    + (f"exact {fmt(s['exact'])}  " if s["exact"] is not None else "")
-                    + f"eval {shown} {fmt(s['eval'].get(shown))}  "
-                    f"stale {fmt(s['staleness'], '.2f')}  {s['groups_per_s']:.1f} groups/s  "
-                    f"gate {s['gate']}"
-                    + (f"  reward errors {s['reward_errors']}" if s["reward_errors"] else "")
-                    + (f"  dlq {s['dlq']}" if s["dlq"] else ""))
-            progress.update(task, completed=s["step"], s=text)
-            if not live and time.time() - last_print > 10:
-                last_print = time.time()
-                print(f"[{time.time() - sup.t0:6.0f}s] {text}", file=sys.stderr, flush=True)
-            await asyncio.sleep(0.5)
-    await bus.close()
     return reason
 
 
@@ -473,7 +260,7 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
         from sluice.report import summarize
 
         ok = summarize(cfg, sup.samples, snap, reason)
-        ok = loop.run_until_complete(audit_run(cfg)) and ok
+        ok = loop.run_until_complete(audit_at_end(cfg)) and ok
         archive_dispositions(cfg)
         # a crash already reported and awaiting its restart when the run ended is not
         # a failure of the run (it survived it)
@@ -513,34 +300,6 @@ def archive_dispositions(cfg: Config) -> None:
     print(f"archive: dispositions of {n} groups written", file=sys.stderr)
 
 
-async def audit_run(cfg: Config) -> bool:
-    """Save the final counters next to the ledgers (for a later `sluice audit`) and check
-    the run's whole history, with where its unfinished groups are; prints one line, and
-    returns False on any violation."""
-    if not cfg.run.ledger:
-        return True
-    from pipeline.bus.audit import audit, live_view, pending_intents
-    from pipeline.bus.ledger import read_ledgers
-
-    rows = read_ledgers(cfg.output_path)
-    bus = connect(cfg, role="monitor")
-    try:
-        live = await live_view(bus, pending_intents(rows))
-    finally:
-        await bus.close()
-    out = cfg.output_path
-    (out / "state.json").write_text(json.dumps(
-        {"state": live.state, "num_generations": cfg.generation.num_generations,
-         "archive": cfg.archive.enabled}))
-    report = audit(out, live=live, num_generations=cfg.generation.num_generations, rows=rows,
-                   archive=cfg.archive.enabled)
-    print(f"ledger audit ({out}/ledger): {report.summary()}", file=sys.stderr)
-    return report.ok
-
-
 async def _final_snapshot(cfg: Config) -> dict[str, Any]:
-    bus = connect(cfg, role="monitor")
-    try:
+    async with connected(cfg, role="monitor") as bus:
         return await snapshot(bus)
-    finally:
-        await bus.close()

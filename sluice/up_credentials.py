@@ -34,13 +34,6 @@ def role_env(env: Mapping[str, str], role: str) -> dict[str, str]:
     return {k: v for k, v in env_for_role(env, role).items() if k != CREDENTIALS_FILE_ENV}
 
 
-def no_redis_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` without any Redis credential: for processes that never log in to Redis
-    (the vLLM servers)."""
-    return {k: v for k, v in env.items()
-            if not k.startswith("SLUICE_REDIS_") and k != CREDENTIALS_FILE_ENV}
-
-
 def role_credentials_override(cfg: Config, role: str,
                               env: Mapping[str, str] | None = None) -> list[str]:
     """The ``--set`` override that points a child of ``role`` at a file holding only its

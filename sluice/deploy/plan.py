@@ -36,8 +36,8 @@ from pipeline.bus.security import (
 from pipeline.config import Config, ConfigError
 from pipeline.hub import is_hub_id
 from sluice.acl import username
-from sluice.up_servers import launches_eval_server
-from sluice.vllm_server import ServerSpec
+from sluice.vllm_launch import ServerSpec
+from sluice.vllm_placement import launches_eval_server
 
 TARGETS = ("slurm", "k8s", "compose")
 
@@ -237,7 +237,7 @@ def make_plan(cfg: Config, target: str) -> Plan:
 
 
 def _server(cfg: Config, python: str, port: int) -> Server:
-    """A vLLM server as `sluice.up_servers.vllm_specs` launches one, except that
+    """A vLLM server as `sluice.vllm_placement.vllm_specs` launches one, except that
     it loads ``model.path`` as written (a hub id through the shared HF cache, a folder
     relative to the role's working directory) and its GPU comes from the scheduler."""
     v, lora = cfg.generation.vllm, cfg.model.lora

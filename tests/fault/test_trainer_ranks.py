@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.bus.keys import TRAINERS_GROUP
 from pipeline.ports import free_port
-from sluice.up import child_pids, stop_gracefully
+from sluice.supervisor import child_pids, stop_gracefully
 from tests.fault.harness import GROUPS_PER_STEP, Pipeline
 from tests.helpers import ROOT, wait_for
 

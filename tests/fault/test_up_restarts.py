@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.up import child_pids
+from sluice.supervisor import child_pids
 from tests.helpers import ROOT, role_logs, up_args, wait_for
 
 pytestmark = pytest.mark.fault

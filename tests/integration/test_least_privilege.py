@@ -108,7 +108,7 @@ def test_sluice_up_gives_each_role_only_its_own_password(tmp_path: Path,
 
     from pipeline.ports import free_port
     from sluice.acl import make_acl
-    from sluice.up import Supervisor
+    from sluice.supervisor import Supervisor
     from tests.helpers import run_header
 
     done = make_acl(tmp_path / "acl", RUN)

@@ -4,7 +4,7 @@
   closed (`pipeline.runtime.freeze_for_exit`): the interpreter's teardown then no longer
   walks every object torch and transformers made, which took seconds per role at the end
   of every run on a loaded machine.
-- `sluice up` stops its vLLM servers together (`sluice.vllm_server.stop_all`):
+- `sluice up` stops its vLLM servers together (`sluice.vllm_launch.stop_all`):
   every server has its SIGTERM before the supervisor waits for any of them.
 Each test runs real processes.
 """
@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sluice.vllm_server import LocalServer, ServerSpec, stop_all
+from sluice.vllm_launch import LocalServer, ServerSpec, stop_all
 from tests.helpers import ROOT
 
 ROLE_THEN_FREEZE_COUNT = """

@@ -6,7 +6,8 @@ from typing import Any
 
 from pipeline.config import load_config
 from sluice.samples import ScorerSamples
-from sluice.up import Supervisor, status_line
+from sluice.supervisor import Supervisor
+from sluice.up import status_line
 
 
 def _snap(scorers: dict[str, dict[str, Any]], dlq: int) -> dict[str, Any]:

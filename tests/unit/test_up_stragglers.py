@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import load_config
-from sluice.up import Child, Supervisor
+from sluice.supervisor import Child, Supervisor
 from tests.helpers import ROOT, wait_for
 
 # A role stuck at exit: SIGTERM ignored, the main thread joining a thread that never ends

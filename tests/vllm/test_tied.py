@@ -26,7 +26,7 @@ import torch
 
 from pipeline.model import init_tiny_model, load_model
 from pipeline.weights import INDEX, FileTransport
-from sluice.vllm_server import LocalServer, ServerSpec
+from sluice.vllm_launch import LocalServer, ServerSpec
 from tests.vllm.conftest import START_TIMEOUT_S, vllm_python_or_skip
 from workers.engines import SamplingParams
 from workers.engines.vllm import VLLMEngine

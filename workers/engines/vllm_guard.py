@@ -11,7 +11,7 @@ changes nothing). Without a key in the environment the server refuses to start r
 than run open.
 
 It runs in the server's environment (``.venv-vllm``), so it imports only the standard
-library. `sluice.vllm_server` adds it to every server started with a key.
+library. `sluice.vllm_launch` adds it to every server started with a key.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from pipeline.config import Config, ConfigError
 from pipeline.vllm_auth import run_key
-from sluice.vllm_server import ServerSpec
+from sluice.vllm_launch import ServerSpec
 
 
 def urls_override(urls: list[str]) -> list[str]:
