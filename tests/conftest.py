@@ -60,3 +60,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pipeline.model import init_tiny_model
 
     return init_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct as a plain float32 model folder, converted once per session
+    from the GGUF file in the wheel deploy/setup.sh downloads (`tests.smollm2`)."""
+    from tests.smollm2 import smollm2_folder
+
+    return smollm2_folder(tmp_path_factory.mktemp("smollm2"))
