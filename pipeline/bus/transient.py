@@ -6,7 +6,11 @@ An error is *transient* when waiting can fix it. There are two kinds:
    (``AuthenticationError`` is one too, but `pipeline.bus.client.Bus.retrying` raises it
    before asking: no wait fixes a wrong password), ``OSError``, a server still loading its
    data, and a Redis Cluster that is down, failing over or resharding (``CLUSTERDOWN``,
-   ``TRYAGAIN``, ``MASTERDOWN``, an uncovered slot, "cannot be connected").
+   ``TRYAGAIN``, ``MASTERDOWN``, an uncovered slot, "cannot be connected"), and
+   ``NOSCRIPT`` (`NoScriptError`): a server restarted without its script cache. The
+   script did not run, so calling again is safe, and the call loads it again (redis-py's
+   `Script` does on NOSCRIPT; on a cluster SCRIPT LOAD goes to every primary, and a
+   primary restarted between that load and the call answers NOSCRIPT once more).
 
 2. **A lost connection redis-py did not classify** (`lost_connection`): an exception of
    *any* type that is not a `redis.exceptions.RedisError` and was *raised inside the
@@ -42,6 +46,7 @@ from redis.exceptions import (
     BusyLoadingError,
     ClusterDownError,
     MasterDownError,
+    NoScriptError,
     RedisClusterException,
     RedisError,
     SlotNotCoveredError,
@@ -55,7 +60,7 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, OSError)
 # ... and on a Redis Cluster, the replies of a cluster that is failing over or restarting
 CLUSTER_TRANSIENT: tuple[type[BaseException], ...] = (
-    ClusterDownError, TryAgainError, MasterDownError, SlotNotCoveredError)
+    ClusterDownError, TryAgainError, MasterDownError, SlotNotCoveredError, NoScriptError)
 
 _ASYNCIO_DIR = os.path.dirname(asyncio.__file__).replace("\\", "/")
 # asyncio's modules that own sockets and transports (not its tasks, futures or locks:

@@ -23,6 +23,7 @@ from redis.exceptions import (
     ClusterDownError,
     ConnectionError,
     DataError,
+    NoScriptError,
     RedisClusterException,
     RedisError,
     ResponseError,
@@ -56,6 +57,7 @@ def test_errors_redis_py_classified_as_lost_or_down_are_waited_out() -> None:
     assert not transient(RedisClusterException("Calling pipelined function evalsha is "
                                                 "blocked when running redis in cluster mode"))
     assert not transient(ResponseError("WRONGTYPE"))
+    assert transient(NoScriptError("No matching script. Please use EVAL."))
 
 
 @pytest.mark.parametrize("loop", LOOPS)
