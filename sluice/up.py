@@ -175,14 +175,30 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
 
 
 def ensure_model(cfg: Config) -> None:
-    """Build the tiny model in the folder ``model.path`` when it is missing and
-    ``model.init`` names one; a hub id is never built (`pipeline.hub` fetches it), and a
-    missing folder without ``model.init`` is left to `pipeline.hub.resolve_model`, whose
-    error names ``model.path``."""
+    """Build the model folder ``model.path`` when it is missing: from the GGUF file
+    ``model.from_gguf``, else the tiny model ``model.init`` names; a hub id is never
+    built (`pipeline.hub` fetches it), and a missing folder without either is left to
+    `pipeline.hub.resolve_model`, whose error names ``model.path``."""
     from pipeline.hub import is_hub_id
 
     path = Path(cfg.model.path)
-    if is_hub_id(cfg.model.path) or (path / "config.json").exists() or not cfg.model.init:
+    if cfg.model.from_gguf and is_hub_id(cfg.model.path):
+        raise ConfigError(f"model.from_gguf: converts into a folder, but model.path "
+                          f"{cfg.model.path!r} is a hub id (write ./{cfg.model.path})")
+    if is_hub_id(cfg.model.path) or (path / "config.json").exists():
+        return
+    if cfg.model.from_gguf:
+        from sluice.gguf_import import import_gguf
+
+        if not Path(cfg.model.from_gguf).is_file():
+            raise ConfigError(f"model.from_gguf: no such file: {cfg.model.from_gguf} (the "
+                              "SmolLM2 file comes with `bash deploy/setup.sh`)")
+
+        print(f"converting {cfg.model.from_gguf} into the model folder {path} (once)",
+              file=sys.stderr, flush=True)
+        import_gguf(cfg.model.from_gguf, path)
+        return
+    if not cfg.model.init:
         return
     from pipeline.model import init_tiny_model
 

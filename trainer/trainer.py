@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -424,12 +425,20 @@ class Trainer:
             "samples_per_s": n / max(now - t0, 1e-9),
             "tokens_per_s": metrics["tokens"] / max(now - t0, 1e-9),
             "dropped_stale": self.counts["stale"], "duplicates": self.counts["duplicates"],
-            "num_tokens": self.state.tokens_seen, **rollout_stats(groups),
+            "num_tokens": self.state.tokens_seen, "memory/peak_rss_mb": peak_rss_mb(),
+            **rollout_stats(groups),
             **reward_part_means(groups),  # the union of the groups' parts
             **metrics}
         self.last = {k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}
         self.log_metrics(row)
         self.metrics.step(row, [trained_at - g.group.min_version for g in groups])
+
+
+def peak_rss_mb() -> float:
+    """The largest resident set this process has had, in MiB (the kernel's high-water
+    mark; Linux reports kilobytes): what the host must hold for the trainer, model,
+    optimizer state and the step's activations and logits together."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def preflight(cfg: Config) -> None:

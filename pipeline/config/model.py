@@ -35,6 +35,11 @@ class ModelConfig(_Section):
     init: Literal["", "tiny-char-qwen2"] = "tiny-char-qwen2"
     """If the folder `path` does not exist yet, `sluice up` builds this model there
     ('' = never; never for a hub id)."""
+    from_gguf: str = ""
+    """A GGUF file (a local path) that `sluice up` turns into the folder `path` when that
+    folder does not exist yet, as `sluice init-model PATH --from-gguf FILE` does (weights
+    dequantized to float32, tokenizer, chat template, generation config); set, it takes
+    the place of `init`. How the SmolLM2 example gets its model (docs/real-model.md)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype of every role's copy of the model. The trainer keeps its parameters
     and optimizer state in float32 and computes in this dtype under autocast unless
@@ -49,8 +54,10 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["copy", "reverse", "add", "guess", "jsonl", "hf", "reasoning_gym"] = "copy"
-    """Built-in task (copy, reverse, add), `jsonl` (a JSONL file: `path`), `hf` (any
+    name: Literal["copy", "reverse", "add", "compare", "guess", "jsonl", "hf",
+                  "reasoning_gym"] = "copy"
+    """Built-in task (copy, reverse, add; compare: questions in words for a pretrained
+    instruct model), `jsonl` (a JSONL file: `path`), `hf` (any
     dataset `datasets` loads: `dataset`) or `reasoning_gym` (`dataset` names one of
     reasoning-gym's procedural datasets, generated offline; its verifier is the reward)."""
     path: str = ""
@@ -106,7 +113,7 @@ class TaskConfig(_Section):
         if self.name == "reasoning_gym" and not self.dataset:
             raise ValueError("task.dataset: the reasoning_gym task needs a reasoning-gym "
                              "dataset name, e.g. spell_backward")
-        if self.name in ("copy", "reverse", "add") and (self.path or self.dataset):
+        if self.name in ("copy", "reverse", "add", "compare") and (self.path or self.dataset):
             key = "task.path" if self.path else "task.dataset"
             raise ValueError(f"{key}: task {self.name!r} is procedural and reads no data")
         return self

@@ -172,7 +172,8 @@ class Plan:
         """Whether the deployment builds ``model.path`` before the trainer starts
         (``model.init`` names a recipe and the path is a folder, not a hub id); the
         build is skipped at run time when the folder already exists."""
-        return bool(self.cfg.model.init) and not is_hub_id(self.cfg.model.path)
+        return (bool(self.cfg.model.init) and not self.cfg.model.from_gguf
+                and not is_hub_id(self.cfg.model.path))
 
     @property
     def lane_lag(self) -> int:

@@ -16,6 +16,7 @@ from workers.tasks.rewards import (
     call_reward,
     copy_reward,
     exact_match,
+    first_number_reward,
     format_reward,
     load_reward,
     match_reward,
@@ -71,6 +72,18 @@ def test_exact_match_and_format() -> None:
     assert _score(exact_match, "123", "123", "length") == 0.0
     assert _score(exact_match, "123", "1234", "stop") == 0.0
     assert format_reward(completions=["123", "", "12a", "١٢"]) == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_first_number_reward_reads_the_first_integer() -> None:
+    completions = ["896", "896 is larger than 473.", "473 is smaller, so 896.",
+                   "To compare them: 896", "The answer is -12.", "no number", "8960",
+                   [{"role": "assistant", "content": "Answer: 896"}]]
+    answers = ["896", "896", "896", "896", "-12", "896", "896", "896"]
+    assert first_number_reward(completions=completions, answer=answers) == \
+        [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    assert first_number_reward(completions=["1", "2"], answer=[None, "2"]) == [None, 1.0]
+    with pytest.raises(ValueError, match="2 values for 1 completions"):
+        first_number_reward(completions=["1"], answer=["1", "2"])
 
 
 def test_load_reward_ok() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import msgpack
@@ -12,6 +13,7 @@ import pytest
 from workers.tasks.catalog import (
     TASK_NAMES,
     AddTask,
+    CompareTask,
     CopyTask,
     JsonlTask,
     ReverseTask,
@@ -26,7 +28,7 @@ def _all_prompts(task: Task) -> list[dict]:
     return [task.prompt(i) for i in range(len(task))]
 
 
-@pytest.mark.parametrize("cls", [CopyTask, ReverseTask, AddTask])
+@pytest.mark.parametrize("cls", [CopyTask, ReverseTask, AddTask, CompareTask])
 def test_prompts_are_deterministic_per_seed(cls: type) -> None:
     a, b, c = cls(num_prompts=300, seed=7), cls(num_prompts=300, seed=7), cls(300, seed=8)
     assert _all_prompts(a) == _all_prompts(b)
@@ -54,12 +56,26 @@ def test_reverse_and_add_answers() -> None:
         assert all(len(s) <= 3 and (s == "0" or not s.startswith("0")) for s in (left, right))
 
 
+def test_compare_questions_and_answers() -> None:
+    words, positions = set(), set()
+    pattern = re.compile(r"Which number is (larger|smaller), (\d+) or (\d+)\? "
+                         r"Reply with the number only\.")
+    for p in _all_prompts(CompareTask(num_prompts=2000, seed=1)):
+        word, a, b = pattern.fullmatch(p["text"]).groups()  # type: ignore[union-attr]
+        x, y = int(a), int(b)
+        assert x != y and all(10 <= v <= 999 for v in (x, y))
+        assert p["answer"] == str(max(x, y) if word == "larger" else min(x, y))
+        words.add(word)
+        positions.add(p["answer"] == a)  # the answer comes first and second in the text
+    assert words == {"larger", "smaller"} and positions == {True, False}
+
+
 def test_prompts_survive_msgpack() -> None:
     p = CopyTask(num_prompts=10).prompt(3)
     assert msgpack.unpackb(msgpack.packb(p)) == p
 
 
-@pytest.mark.parametrize("cls", [CopyTask, ReverseTask, AddTask])
+@pytest.mark.parametrize("cls", [CopyTask, ReverseTask, AddTask, CompareTask])
 def test_heldout_disjoint_unique_and_prefix_stable(cls: type) -> None:
     task = cls(num_prompts=5000, seed=3)
     train = {p["text"] for p in _all_prompts(task)}
@@ -182,10 +198,12 @@ def test_make_task(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}])
     assert len(make_task("jsonl", seed=0, num_prompts=1, path=str(path))) == 1
     with pytest.raises(ValueError,
-                       match="known tasks: copy, reverse, add, guess, jsonl, hf, reasoning_gym"):
+                       match="known tasks: copy, reverse, add, compare, guess, jsonl, hf, "
+                             "reasoning_gym"):
         make_task("nope", seed=0, num_prompts=1)
     with pytest.raises(ValueError, match="needs data"):
         make_task("jsonl", seed=0, num_prompts=1)
     with pytest.raises(ValueError, match="takes no path"):
         make_task("copy", seed=0, num_prompts=1, path=str(path))
-    assert TASK_NAMES == ("copy", "reverse", "add", "guess", "jsonl", "hf", "reasoning_gym")
+    assert TASK_NAMES == ("copy", "reverse", "add", "compare", "guess", "jsonl", "hf",
+                          "reasoning_gym")

@@ -11,6 +11,8 @@ Built-in procedural tasks (no download, rewards are verifiable):
 - ``copy``:    ``"48213="``  -> ``"48213"``
 - ``reverse``: ``"48213:"``  -> ``"31284"``
 - ``add``:     ``"123+45="`` -> ``"168"``
+- ``compare``: ``"Which number is larger, 473 or 896? Reply with the number only."``
+  -> ``"896"`` (or "smaller"): a question in words for a pretrained instruct model.
 
 Invariants of every task:
 
@@ -204,6 +206,31 @@ class AddTask(_ProceduralTask):
         return [(f"{x}+{y}=", str(x + y)) for x, y in zip(a, b, strict=True)]
 
 
+class CompareTask(_ProceduralTask):
+    """``"Which number is larger, 473 or 896? Reply with the number only."`` -> ``"896"``,
+    "larger" or "smaller" with equal probability, the two numbers distinct and uniform in
+    [10, 999]: a task in words for a pretrained instruct model (the prompt is a user turn,
+    rendered with the chat template). The answer is always one of the two numbers, so
+    a model that names either one at random scores 0.5; a 135M instruct model starts
+    below that because it explains instead of answering (docs/real-model.md)."""
+
+    name = "compare"
+    _DEFAULT_REWARDS = ("workers.tasks.rewards:first_number_reward",)
+    LO, HI = 10, 999
+
+    def _generate(self, rng: np.random.Generator, n: int) -> list[tuple[str, str]]:
+        a = rng.integers(self.LO, self.HI + 1, size=n)
+        b = rng.integers(self.LO, self.HI, size=n)
+        b = b + (b >= a)  # uniform over [LO, HI] minus {a}
+        larger = rng.integers(0, 2, size=n).astype(bool)
+        out = []
+        for x, y, big in zip(a.tolist(), b.tolist(), larger.tolist(), strict=True):
+            word, answer = ("larger", max(x, y)) if big else ("smaller", min(x, y))
+            out.append((f"Which number is {word}, {x} or {y}? Reply with the number only.",
+                        str(answer)))
+        return out
+
+
 class GuessTask:
     """Games of guess-the-number (`workers.environments.builtin.GuessNumber`): the text
     ``"4821?"`` is only a game id, the number (``answer``, in [``lo``, ``hi``] = [0, 9]) is
@@ -248,10 +275,11 @@ class GuessTask:
         return [self._make(*x) for x in self._heldout[:_check_int("n", n, 0)]]
 
 
-_PROCEDURAL: dict[str, type[_DigitStringTask] | type[AddTask] | type[GuessTask]] = {
+_PROCEDURAL: dict[str, type[_ProceduralTask] | type[GuessTask]] = {
     "copy": CopyTask,
     "reverse": ReverseTask,
     "add": AddTask,
+    "compare": CompareTask,
     "guess": GuessTask,
 }
 TASK_NAMES: tuple[str, ...] = (*_PROCEDURAL, "jsonl", "hf", "reasoning_gym")

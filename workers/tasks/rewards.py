@@ -127,6 +127,27 @@ def format_reward(*, completions: Sequence[Any], **kwargs: Any) -> list[float | 
     return [float(c.isascii() and c.isdigit()) for c in _texts(completions)]
 
 
+_INTEGER = re.compile(r"-?\d+")
+
+
+def first_number_reward(*, completions: Sequence[Any], answer: Sequence[Any] | None = None,
+                        **kwargs: Any) -> list[float | None]:
+    """1.0 iff the first integer in the completion (a run of digits, with a leading minus
+    sign if any; thousands separators are not read) equals ``answer``, else 0.0; ``None``
+    where there is no answer. The first, not the last: a model that answers in words
+    states its answer first ("896 is larger than 473."), and a completion that explains
+    before it answers is read by whatever number it names first, so rambling costs."""
+    texts = _texts(completions)
+    n = len(texts)
+    answers = [None] * n if answer is None else _per_completion(answer, n, "answer")
+    rewards: list[float | None] = []
+    for a, text in zip(answers, texts, strict=True):
+        found = _INTEGER.search(text)
+        rewards.append(None if a is None else
+                       float(found is not None and int(found.group()) == int(str(a))))
+    return rewards
+
+
 _BOXED = re.compile(r"\\boxed\{[^{}]*\}")
 
 
