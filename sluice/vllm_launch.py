@@ -71,7 +71,16 @@ class ServerSpec:
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out"]
         if self.cuda_device is None:  # the CPU; a GPU keeps CUDA graphs
-            cmd.append("--enforce-eager")
+            # A prompt prefilled over two steps (chunked prefill) makes vLLM's runner
+            # rewind its request's seeded generator (`set_offset`), which a CPU
+            # torch.Generator does not support ("CPU Generator does not use offset":
+            # every request of that batch fails). vLLM splits a prompt only when a step's
+            # new tokens pass max_num_batched_tokens (2048 by default on the CPU: two
+            # batches of 32 chat prompts of SmolLM2 did). A budget of 8192 (or
+            # max_model_len) makes that rare, not impossible; disabling chunked prefill
+            # would end it but vLLM warns that its engine does not support that.
+            cmd += ["--enforce-eager",
+                    "--max-num-batched-tokens", str(max(self.max_model_len, 8192))]
         if self.gpu_memory_utilization > 0:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         else:

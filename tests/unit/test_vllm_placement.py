@@ -143,6 +143,13 @@ def test_enforce_eager_only_on_the_cpu() -> None:
     assert "--enforce-eager" in cpu.command(8000)
     cmd = gpu.command(8000)
     assert "--enforce-eager" not in cmd  # CUDA graphs and torch.compile stay on
+    # the CPU's step token budget is large enough that a prompt is rarely split over
+    # steps (seeded requests would fail), and at least max_model_len; a GPU keeps vLLM's
+    short = cpu.command(1)
+    long = ServerSpec(python="py", model="m", max_model_len=16384).command(1)
+    assert short[short.index("--max-num-batched-tokens") + 1] == "8192"
+    assert long[long.index("--max-num-batched-tokens") + 1] == "16384"
+    assert "--max-num-batched-tokens" not in cmd
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.45"
     assert gpu.env(Path("/tmp"))["CUDA_VISIBLE_DEVICES"] == "GPU-ab"
     # a CPU server keeps whatever the parent has
