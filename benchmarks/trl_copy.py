@@ -8,6 +8,10 @@ Same model files, prompts, held-out set, reward and evaluation code as sluice; t
 hyperparameters come from the command line. Evaluation pauses TRL's clock (it would
 otherwise be charged to TRL's training time); sluice's evaluator runs concurrently on
 the same cores, so this favours TRL slightly.
+
+What ``trl_real.py`` (the real-model baseline) shares from here: `HeldoutEval` (greedy
+held-out evaluation through sluice's evaluator code on a copy of the model),
+`EvalClock` (evaluation at fixed marks of TRL's training clock) and `train_profiled`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +34,7 @@ from pipeline.model import load_model
 from workers.engines.transformers import TransformersEngine
 from workers.evaluator import evaluate
 from workers.tasks.catalog import make_task
-from workers.tasks.rewards import load_reward, match_reward
+from workers.tasks.rewards import RewardFn, load_reward, match_reward
 
 # what sluice's evaluator uses with examples/copy.toml: pass@1 = greedy exact match
 EVAL_REWARDS = [load_reward("workers.tasks.rewards:copy_reward"),
@@ -44,18 +49,47 @@ def copy_reward(prompts: list, completions: list, completion_ids: list, answer: 
     return match_reward(completions=completions, answer=answer, finish_reason=fin)
 
 
-class EvalClock(TrainerCallback):
-    """Greedy held-out eval every ``every_s`` of training time (clock paused while it
-    runs); stops training at ``target`` exact match or after ``budget_s``."""
+class HeldoutEval:
+    """Greedy held-out evaluation of given weights with sluice's evaluator code
+    (`workers.evaluator.evaluate` on a `TransformersEngine`: prompts rendered as the
+    generators render them, rewards in a reward process, `summarize_scores`), on a copy
+    of the model at ``model_dir`` that this object owns. Calling it with a state dict
+    (TRL's live model's, or a weight-store version's) loads that first; with None it
+    evaluates the weights it holds (the model folder's, at first)."""
 
-    def __init__(self, out: Path, heldout: list, tok: Any, model_dir: Path, max_new: int,
-                 every_s: float, budget_s: float, target: float, per_step: int) -> None:
-        self.out, self.heldout, self.tok, self.max_new = out, heldout, tok, max_new
+    def __init__(self, model_dir: Path, prompts: list[dict[str, Any]], max_new_tokens: int,
+                 rewards: list[RewardFn], system_prompt: str = "",
+                 pass_threshold: float = 1.0) -> None:
+        self.model, self.tok = load_model(model_dir)
+        self.model.eval()
+        self.engine = TransformersEngine(self.model, self.tok)
+        self.prompts, self.max_new, self.rewards = prompts, max_new_tokens, rewards
+        self.system_prompt, self.pass_threshold = system_prompt, pass_threshold
+
+    def __call__(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+        if state is not None:
+            with torch.no_grad():
+                self.model.load_state_dict(state, strict=False)  # tied aliases may be absent
+        return asyncio.run(evaluate(self.engine, self.tok, self.prompts, self.max_new,
+                                    self.rewards, system_prompt=self.system_prompt,
+                                    pass_threshold=self.pass_threshold))
+
+
+class EvalClock(TrainerCallback):
+    """Held-out eval (``evaluate(model) -> row``) at fixed marks of TRL's training clock,
+    0, ``every_s``, 2 ``every_s``, ...: at the first step end at or after each mark (marks
+    a long step skipped are not made up), the clock paused while it runs (its time is not
+    TRL's); the last at ``budget_s``, which stops training, as does ``key`` >= ``target``.
+    A row's ``t`` is the clock when the evaluated weights existed (that step's end)."""
+
+    def __init__(self, out: Path, evaluate: Callable[[torch.nn.Module], dict[str, float]],
+                 every_s: float, budget_s: float, target: float, per_step: int,
+                 key: str = "pass@1") -> None:
+        self.out, self.evaluate, self.key = out, evaluate, key
         self.every_s, self.budget_s, self.target = every_s, budget_s, target
         self.per_step = per_step
-        self.eval_model, _ = load_model(model_dir)
-        self.engine = TransformersEngine(self.eval_model, tok)
-        self.t0 = self.paused = self.last_eval = 0.0
+        self.t0 = self.paused = 0.0
+        self.next_mark = every_s
 
     def clock(self) -> float:
         return time.perf_counter() - self.t0 - self.paused
@@ -63,18 +97,15 @@ class EvalClock(TrainerCallback):
     def run_eval(self, model: torch.nn.Module, step: int) -> float:
         t_in = time.perf_counter()
         t = self.clock()
-        with torch.no_grad():
-            self.eval_model.load_state_dict(model.state_dict())
-        res = asyncio.run(evaluate(self.engine, self.tok, self.heldout, self.max_new,
-                                   EVAL_REWARDS))
-        row = {"t": t, "ts": time.time(), "step": step, "samples": step * self.per_step, **res}
+        res = self.evaluate(model)
+        row = {"t": t, "ts": time.time(), "step": step, "samples": step * self.per_step,
+               "eval_s": time.perf_counter() - t_in, **res}
         with open(self.out / "eval.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"trl t={t:6.1f}s step={step:5d} exact={res['pass@1']:.3f} "
+        print(f"trl t={t:6.1f}s step={step:5d} {self.key}={res[self.key]:.3f} "
               f"reward={res['reward']:.3f}", flush=True)
         self.paused += time.perf_counter() - t_in
-        self.last_eval = t
-        return res["pass@1"]
+        return res[self.key]
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.t0 = time.perf_counter()
@@ -91,10 +122,37 @@ class EvalClock(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         t = self.clock()
-        if t - self.last_eval >= self.every_s or t >= self.budget_s:
-            exact = self.run_eval(kw["model"], state.global_step)
-            if exact >= self.target or t >= self.budget_s:
+        if t >= self.next_mark or t >= self.budget_s:
+            while self.next_mark <= t:
+                self.next_mark += self.every_s
+            score = self.run_eval(kw["model"], state.global_step)
+            if score >= self.target or t >= self.budget_s:
                 control.should_training_stop = True
+
+
+def train_profiled(tr: Any, clock: EvalClock, out: Path, per_step: int,
+                   extra: dict[str, Any] | None = None) -> None:
+    """``tr.train()`` with the seconds spent in TRL's generation + scoring
+    (``_generate_and_score_completions``) timed apart; ``profile.json`` gets them, the
+    rest of the training clock, the steps and ``extra``."""
+    gen_s = [0.0]
+    inner = tr._generate_and_score_completions
+
+    def timed(inputs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return inner(inputs)
+        finally:
+            gen_s[0] += time.perf_counter() - t
+
+    tr._generate_and_score_completions = timed
+    tr.train()
+    total = clock.clock()
+    (out / "profile.json").write_text(json.dumps({
+        "train_clock_s": total, "generate_and_score_s": gen_s[0],
+        "optimize_and_rest_s": total - gen_s[0], "steps": tr.state.global_step,
+        "completions_per_s": tr.state.global_step * per_step / max(total, 1e-9),
+        **(extra or {})}, indent=2))
 
 
 def main() -> None:
@@ -143,28 +201,12 @@ def main() -> None:
         loss_type="dapo", epsilon=0.2, scale_rewards="group",
         temperature=1.0, max_steps=10**6, save_strategy="no", logging_steps=a.log_every,
         report_to="none", bf16=False, use_cpu=True, seed=a.seed, disable_tqdm=True)
-    clock = EvalClock(a.out, heldout, tok, a.model, a.max_new_tokens, a.eval_every_s,
-                      a.budget_s, a.target, a.completions_per_step)
+    held = HeldoutEval(a.model, heldout, a.max_new_tokens, EVAL_REWARDS)
+    clock = EvalClock(a.out, lambda m: held(m.state_dict()), a.eval_every_s, a.budget_s,
+                      a.target, a.completions_per_step)
     tr = GRPOTrainer(model=model, reward_funcs=[copy_reward], args=cfg, train_dataset=ds,
                      processing_class=tok, callbacks=[clock])
-    gen_s = [0.0]
-    inner = tr._generate_and_score_completions
-
-    def timed(inputs: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return inner(inputs)
-        finally:
-            gen_s[0] += time.perf_counter() - t
-
-    tr._generate_and_score_completions = timed  # type: ignore[method-assign]
-    tr.train()
-    total = clock.clock()
-    (a.out / "profile.json").write_text(json.dumps({
-        "train_clock_s": total, "generate_and_score_s": gen_s[0],
-        "optimize_and_rest_s": total - gen_s[0], "steps": tr.state.global_step,
-        "completions_per_s": tr.state.global_step * a.completions_per_step / max(total, 1e-9),
-    }, indent=2))
+    train_profiled(tr, clock, a.out, a.completions_per_step)
 
 
 if __name__ == "__main__":

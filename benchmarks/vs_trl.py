@@ -31,8 +31,12 @@ is charged to sluice. "samples" are completions *generated*: for sluice that inc
 groups filtered (all rewards equal) or dropped stale. Results are saved after every run
 in ``OUT/results.json``; a run already there is not repeated (``--redo`` to force).
 
+The same comparison on SmolLM2-135M-Instruct and the ``compare`` task, with vLLM
+generation on sluice's side: ``benchmarks/vs_trl_real.py`` (it reuses this module's
+process watching, thread probe and result reading).
+
 The report (`benchmarks/vs_trl_report.py`) gives the area under each run's held-out
-reward curve against time and against samples with 95% bootstrap intervals over seeds
+reward curve against time and against samples with 95% Student-t intervals over seeds
 (and paired with TRL's on the same seeds), each seed's curve at fixed times and sample
 counts, per threshold how many seeds reached it and the median and range of time,
 samples and steps to it, and the mechanism table: entropy, clip and IS-truncation
@@ -50,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +86,18 @@ def run_trl(a: argparse.Namespace, model: Path, out: Path, seed: int, threads: i
            "--adam-beta2", str(a.adam_beta2)]
     with open(out / "run.log", "w") as log:
         subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return trl_result(out, threads)
+
+
+def trl_result(out: Path, threads: int, metric: str = "reward") -> dict[str, Any]:
+    """A finished TRL run (``trl_copy.py`` or ``trl_real.py``) as a results entry: its
+    eval rows (the report's "reward" = the eval row's ``metric``), mechanism metrics,
+    steps, steps per second of training clock and the generation/optimization split of
+    that clock."""
     prof = json.loads((out / "profile.json").read_text())
     evals = read_jsonl(out / "eval.jsonl")
     return {"evals": [{"t": e["t"], "samples": e["samples"], "step": e["step"],
-                       "exact": e["pass@1"], "reward": e["reward"]} for e in evals],
+                       "exact": e["pass@1"], "reward": e[metric]} for e in evals],
             "mech": mechanism(read_jsonl(out / "metrics.jsonl")),
             "steps": prof["steps"], "steps_per_s": prof["steps"] / max(prof["train_clock_s"], 1e-9),
             "threads": threads,
@@ -100,7 +113,33 @@ def role_of(p: psutil.Process) -> str:
         return "?"
     if "redis" in name:
         return "redis"
+    if name.startswith("VLLM") or (argv and ("vllm" in argv[0] or argv[0].startswith("VLLM"))):
+        return "vllm"  # a server `sluice up` launched, its engine and workers (vs_trl_real)
     return next((ROLES[tok] for tok in argv if tok in ROLES), "other")
+
+
+def watch(proc: psutil.Popen, tick: Callable[[], bool], every_s: float = 1.0
+          ) -> dict[str, float]:
+    """Until ``proc`` exits: every ``every_s`` sample the CPU seconds of it and all its
+    descendants, then call ``tick``, which returns True to stop the run (``proc`` gets
+    SIGTERM, once). CPU seconds per role (`role_of`), summed over processes."""
+    cpu: dict[int, tuple[str, float]] = {}
+    stopped = False
+    while proc.poll() is None:
+        for p in [proc, *proc.children(recursive=True)]:
+            try:
+                ct = p.cpu_times()
+                cpu[p.pid] = (cpu.get(p.pid, ("", 0.0))[0] or role_of(p), ct.user + ct.system)
+            except psutil.Error:
+                pass
+        if not stopped and tick():
+            proc.terminate()
+            stopped = True
+        time.sleep(every_s)
+    by_role: dict[str, float] = {}
+    for role, sec in cpu.values():
+        by_role[role] = by_role.get(role, 0.0) + sec
+    return by_role
 
 
 def run_sluice(a: argparse.Namespace, model: Path, out: Path, seed: int,
@@ -118,37 +157,23 @@ def run_sluice(a: argparse.Namespace, model: Path, out: Path, seed: int,
            "--fresh", "--eval-every", str(a.eval_every_s)]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
-    log = open(out.parent / f"{out.name}.log", "w")
-    proc = psutil.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    cpu: dict[int, tuple[str, float]] = {}
-    t_first: float | None = None
-    while proc.poll() is None:
-        for p in [proc, *proc.children(recursive=True)]:
-            try:
-                ct = p.cpu_times()
-                cpu[p.pid] = (cpu.get(p.pid, ("", 0.0))[0] or role_of(p), ct.user + ct.system)
-            except psutil.Error:
-                pass
-        evals = read_jsonl(out / "eval.jsonl")
-        if evals and t_first is None:
-            t_first = evals[0]["ts"]
-        if t_first is not None and time.time() - t_first > a.budget_s + 5:
-            proc.terminate()  # the budget is counted from the step-0 eval, like TRL's
-        time.sleep(1.0)
-    log.close()
+    t_first: list[float] = []
+
+    def tick() -> bool:  # the budget is counted from the step-0 eval, like TRL's
+        if not t_first and (evals := read_jsonl(out / "eval.jsonl")):
+            t_first.append(evals[0]["ts"])
+        return bool(t_first) and time.time() - t_first[0] > a.budget_s + 5
+
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        by_role = watch(psutil.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT),
+                        tick)
     evals = read_jsonl(out / "eval.jsonl")
     metrics = read_jsonl(out / "metrics.jsonl")
-    group = 8
-    by_step = {m["step"]: m for m in metrics}
-    generated = {s: (s * 8 + m.get("filtered", 0) + m.get("dropped_stale", 0)) * group
-                 for s, m in by_step.items()}
+    generated = generated_samples(metrics, groups_per_step=8, group=8)  # copy.toml's
     t0 = evals[0]["ts"] if evals else 0.0
     rows = [{"t": e["ts"] - t0, "samples": generated.get(e["step"], 0), "step": e["step"],
              "exact": e["pass@1"], "reward": e["reward"]}
             for e in evals if e["ts"] - t0 <= a.budget_s + 1e-6]
-    by_role: dict[str, float] = {}
-    for role, sec in cpu.values():
-        by_role[role] = by_role.get(role, 0.0) + sec
     last = metrics[-1] if metrics else {}
     late = [m for m in metrics if m["step"] >= 0.8 * last.get("step", 0)] or [{}]
     return {"evals": rows, "steps": last.get("step", 0), "profile": by_role,
@@ -160,16 +185,31 @@ def run_sluice(a: argparse.Namespace, model: Path, out: Path, seed: int,
             "filtered": last.get("filtered", 0), "dropped_stale": last.get("dropped_stale", 0)}
 
 
+def generated_samples(metrics: list[dict[str, Any]], groups_per_step: int, group: int
+                      ) -> dict[int, int]:
+    """Completions generated by the time each trainer step ended (metrics.jsonl rows):
+    those trained plus those of groups filtered (all rewards equal) or dropped stale."""
+    return {m["step"]: (m["step"] * groups_per_step + m.get("filtered", 0)
+                        + m.get("dropped_stale", 0)) * group for m in metrics}
+
+
 def probe_trl_threads(a: argparse.Namespace, model: Path) -> tuple[int, dict[int, float]]:
     """TRL's training steps per second at 1 and 2 torch threads (seed 0, ``--probe-s``
     of training each, no target); the faster count is TRL's best setting here."""
+    return probe_fastest(lambda threads: run_trl(
+        argparse.Namespace(**{**vars(a), "target": 2.0}), model,
+        a.out / f"probe-trl{threads}", 0, threads, a.probe_s), (1, 2))
+
+
+def probe_fastest(run: Callable[[Any], dict[str, Any]], settings: Sequence[Any]
+                  ) -> tuple[Any, dict[Any, float]]:
+    """``run(setting)`` (a short TRL run) for each setting: the fastest by training steps
+    per second, and every setting's rate."""
     rates = {}
-    for threads in (1, 2):
-        print(f"== probe: TRL at {threads} thread(s) for {a.probe_s:.0f}s", flush=True)
-        r = run_trl(argparse.Namespace(**{**vars(a), "target": 2.0}), model,
-                    a.out / f"probe-trl{threads}", 0, threads, a.probe_s)
-        rates[threads] = r["steps_per_s"]
-        print(f"   {rates[threads]:.2f} steps/s", flush=True)
+    for setting in settings:
+        print(f"== probe: TRL at {setting}", flush=True)
+        rates[setting] = run(setting)["steps_per_s"]
+        print(f"   {rates[setting]:.4f} steps/s", flush=True)
     return max(rates, key=lambda t: rates[t]), rates
 
 
@@ -185,11 +225,13 @@ def parse_arms(a: argparse.Namespace) -> dict[str, dict[str, str] | None]:
             arms[name] = None  # trl#2, trl#3: TRL again on the same seeds (the noise)
         elif name in custom:
             arms[name] = custom[name]
+        elif name == "sluice":
+            arms[name] = {}  # the example as it is (vs_trl_real.py)
         elif name.startswith("s") and name[1:].isdigit():
             arms[name] = {"trainer.max_staleness": name[1:]}
         else:
-            raise SystemExit(f"unknown arm {name!r}: trl, trl1, trl2, trl#N, s<N> or one "
-                             "--arm names")
+            raise SystemExit(f"unknown arm {name!r}: trl, trl1, trl2, trl#N, sluice, s<N> "
+                             "or one --arm names")
     return arms
 
 

@@ -1,6 +1,7 @@
-"""The report of ``benchmarks/vs_trl.py``: thresholds, areas under the learning curves
-with bootstrap intervals over seeds, per-seed curves against time and samples, and the
-mechanism table (what each run's own metrics say about how it learned)."""
+"""The report of ``benchmarks/vs_trl.py`` and ``benchmarks/vs_trl_real.py``: thresholds,
+areas under the learning curves with Student-t intervals over seeds (`benchmarks.curves`),
+per-seed curves against time and samples, and the mechanism table (what each run's own
+metrics say about how it learned)."""
 
 from __future__ import annotations
 
@@ -96,13 +97,14 @@ def thresholds(res: dict[str, dict[str, dict[str, Any]]], target: float) -> list
     return lines
 
 
-def best_at_samples(res: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+def best_at_samples(res: dict[str, dict[str, dict[str, Any]]], samples: float) -> list[str]:
+    """Each run's best held-out value so far at 1/3, 2/3, 1, 4/3 and 2 x ``samples``."""
     lines: list[str] = []
-    marks = (50_000, 100_000, 150_000, 200_000, 300_000)
+    marks = [int(samples * f) for f in (1 / 3, 2 / 3, 1, 4 / 3, 2)]
     for key in ("reward", "exact"):
         lines.append(f"held-out {key} (best so far) at equal samples generated (thousands); "
                      "'-' = the run ended before")
-        lines.append(f"  {'arm':<10} {'seed':>4}" + "".join(f"{m // 1000:>7}" for m in marks))
+        lines.append(f"  {'arm':<10} {'seed':>4}" + "".join(f"{m / 1000:>7.3g}" for m in marks))
         for name, seeds in res.items():
             for seed, r in seeds.items():
                 ev = r["evals"]
@@ -136,10 +138,10 @@ def per_run(res: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
 def areas(res: Results, budget_s: float, samples: float) -> list[str]:
     """Area under the held-out reward curve (its mean over the span) against time
     ([0, budget_s]) and against samples ([0, samples]): per arm the mean over seeds with
-    a 95% bootstrap interval, and against the TRL arm the paired difference (same seeds)
-    with its interval."""
-    lines = ["area under the held-out reward curve = its mean over the span; 95% bootstrap "
-             "intervals over seeds; 'vs TRL' pairs the seeds"]
+    a 95% Student-t interval, and against the TRL arm the paired difference (same seeds)
+    with its t interval (`benchmarks.curves`)."""
+    lines = ["area under the held-out reward curve = its mean over the span; 95% t intervals "
+             "over seeds (none with one seed); 'vs TRL' pairs the seeds"]
     base = next((n for n in res if n.startswith("trl")), None)
     for x, span_x, unit in (("t", budget_s, "s"), ("samples", samples, "samples")):
         lines.append(f"  against {unit}, over [0, {span_x:g}]:")
@@ -165,7 +167,7 @@ def per_seed_curves(res: Results, budget_s: float, samples: float) -> list[str]:
         marks = [span_x * i / 6 for i in range(1, 7)]
         scale = 1000 if x == "samples" else 1
         lines.append(f"held-out reward against {unit} (the curve, interpolated)")
-        lines.append(f"  {'arm':<10} {'seed':>4}" + "".join(f"{m / scale:>8.0f}" for m in marks))
+        lines.append(f"  {'arm':<10} {'seed':>4}" + "".join(f"{m / scale:>8.3g}" for m in marks))
         for name, seeds in res.items():
             for seed, r in seeds.items():
                 pts = curve(r["evals"], x, "reward")
@@ -202,5 +204,5 @@ def mechanism_table(res: Results) -> list[str]:
 
 def report(res: Results, target: float, budget_s: float, samples: float) -> list[str]:
     return (areas(res, budget_s, samples) + per_seed_curves(res, budget_s, samples)
-            + thresholds(res, target) + best_at_samples(res) + mechanism_table(res)
+            + thresholds(res, target) + best_at_samples(res, samples) + mechanism_table(res)
             + per_run(res))
