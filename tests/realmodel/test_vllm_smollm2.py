@@ -24,6 +24,10 @@ training step runs while the session's server is still starting.
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import sys
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,11 +39,14 @@ import torch
 from pipeline.config import Config, load_config
 from pipeline.model import load_model, load_policy
 from pipeline.rl.logprobs import chunked_head_logprobs, split_lm
+from pipeline.vllm_auth import API_KEY_ENV, auth_headers
 from pipeline.weights import engine_format, make_transport
+from tests.helpers import ROOT, run_up
 from tests.realmodel.conftest import LORA_RANK, SmolServer
 from workers.engines import SamplingParams
 from workers.engines.base import Completion
 from workers.engines.vllm import VLLMEngine
+from workers.engines.vllm_weights import INITIAL_LABEL
 from workers.tasks.catalog import CompareTask
 from workers.tasks.prompts import render_prompt
 
@@ -255,3 +262,93 @@ def test_pushed_lora_adapter_is_served(smollm2_vllm: SmolServer, trainer: Traine
     groups = sample(srv, prompts, push=push, lora_prefix=LORA_PREFIX, unload_after=True)
     assert_agrees(policy, tok, prompts, groups, "pushed LoRA adapter")
     assert_moved(trainer.model, tok, prompts, groups, "pushed LoRA adapter")
+
+
+# ------------------------------------------------------------------ a whole run
+UP_STEPS = 3
+UP_MAX_TIME_S = 900  # generous: the run ends itself at UP_STEPS; this only bounds a hang
+UP_TIMEOUT_S = UP_MAX_TIME_S + 180  # max_time_s, then the roles' and servers' shutdown
+UP_HELDOUT = 8
+MAX_STALE_DIFF_NATS = 1.0  # |trainer - sampler| logprob per token, policy <= 1 version old
+
+
+def served_label(srv: SmolServer) -> int:
+    """The version label of the weights the server holds now (``/weight_info``; the
+    label it starts with, `INITIAL_LABEL`, is version 0)."""
+    req = urllib.request.Request(srv.url + "/weight_info", headers=auth_headers(srv.api_key))
+    with urllib.request.urlopen(req, timeout=30) as r:
+        label = str(json.loads(r.read())["weight_version"])
+    return 0 if label in (INITIAL_LABEL, "None") else int(label)
+
+
+def restore_base(srv: SmolServer, label: int) -> int:
+    """Reload the model folder into the server under a new label (> ``label``, the one it
+    holds) and return that label: an engine that starts at a version the server does not
+    hold reloads the base weights first (`VLLMEngine.start`)."""
+    restored = label + 1
+
+    async def go() -> None:
+        e = VLLMEngine([srv.url], srv.model, version=restored, api_key=srv.api_key)
+        await e.start()
+        try:
+            assert e.servers[0].healthy and e.servers[0].version == restored, e.servers[0]
+        finally:
+            await e.close()
+
+    asyncio.run(go())
+    return restored
+
+
+@pytest.mark.timeout(UP_TIMEOUT_S + 120)
+def test_sluice_up_trains_smollm2_on_the_session_server(smollm2_vllm: SmolServer,
+                                                         tmp_path: Path) -> None:
+    """`sluice up examples/smollm2_compare.toml --fresh`, 3 steps, its generator on this
+    session's server (``launch = 0``: no second server on 2 cores) and its evaluator in
+    process. Ends at max_steps with exit 0, evaluates version 0 and the final version 3,
+    trains 3 steps whose loss is finite and whose sampler-trainer gap is small (float32
+    both sides; the sampled policy is at most one version behind, and on samples of the
+    very version trained, step 1's, the gap is rounding), and its ledger audits clean.
+
+    The run swaps its versions into the session's server: its generator's engine starts
+    at version 0, reloading the base weights when the server holds another label, and the
+    test reloads them again at the end under a new label (`restore_base`, recorded in
+    ``smollm2_vllm.version``), so like the tests above it leaves the base model served
+    and the order of the tests does not matter. It is last only because it is the
+    longest."""
+    srv = smollm2_vllm.ready()
+    out = tmp_path / "run"
+    sets = [f"run.output_dir={out}", f"model.path={srv.model_dir}", 'model.from_gguf=""',
+            "generation.vllm.launch=0", f'generation.vllm.urls=["{srv.url}"]',
+            "eval.engine=transformers", f"task.heldout={UP_HELDOUT}",
+            f"trainer.max_steps={UP_STEPS}", f"trainer.save_steps={UP_STEPS}",
+            "up.scorers=1", f"run.max_time_s={UP_MAX_TIME_S}"]
+    args = [sys.executable, "-m", "sluice.cli", "up", str(ROOT / "examples" /
+            "smollm2_compare.toml"), "--fresh", *(a for s in sets for a in ("--set", s)),
+            "--eval-every", str(UP_MAX_TIME_S)]  # no evaluation between the first and last
+    try:  # the key as the fixture hands it to its clients, and `sluice up` to its roles
+        proc, summary = run_up(args, out, tmp_path, UP_TIMEOUT_S,
+                               env={API_KEY_ENV: srv.api_key})
+    finally:
+        srv.version = restore_base(srv, served_label(srv))
+
+    assert summary["reason"] == "finished" and summary["steps"] == UP_STEPS, summary
+    assert "ended: finished" in proc.stdout, proc.stdout  # the trainer ended it at max_steps
+    assert summary["conservation"]["balanced"] and summary["dead"] == 0, summary
+    audit = [ln for ln in proc.stderr.splitlines() if ln.startswith("ledger audit")]
+    assert len(audit) == 1 and ": OK:" in audit[0], proc.stderr[-3000:]
+    assert "engine vllm" in (out / "logs" / "generator-0.log").read_text()
+
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals] == [0, UP_STEPS], evals  # the final one at the end
+    assert all(math.isfinite(e["reward"]) for e in evals), evals
+
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, UP_STEPS + 1)), metrics
+    for m in metrics:
+        assert math.isfinite(m["loss"]) and m["staleness_max"] <= 1, m
+        gap = m["logprob_diff/mean_abs"]
+        assert math.isfinite(gap) and gap < MAX_STALE_DIFF_NATS, m
+        if m["staleness_max"] == 0:  # sampled by the version trained (step 1): rounding
+            assert gap < MEAN_TOL_NATS, m
+    print("up:", summary["wall_s"], "s; eval", [e.get("pass@1") for e in evals],
+          "; logprob_diff", [m["logprob_diff/mean_abs"] for m in metrics])
