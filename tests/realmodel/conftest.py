@@ -20,16 +20,15 @@ not reload the model folder) and records the version it leaves behind.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from pipeline.vllm_auth import API_KEY_ENV, run_key
+from pipeline.vllm_auth import run_key
 from sluice.vllm_launch import LocalServer, ServerSpec
-from tests.vllm.conftest import START_TIMEOUT_S, vllm_python_or_skip
+from tests.vllm.conftest import START_TIMEOUT_S, served_with_key, vllm_python_or_skip
 
 LORA_RANK = 8
 MAX_LORAS = 2
@@ -70,14 +69,5 @@ def smollm2_vllm(request: pytest.FixtureRequest,
                       max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES,
                       lora_rank=LORA_RANK, max_loras=MAX_LORAS, api_key=key)
     local = LocalServer(spec, root)
-    before = os.environ.get(API_KEY_ENV)
-    os.environ[API_KEY_ENV] = key  # as `sluice up` hands the key to its roles
-    try:
-        local.start()  # not waited for here: `SmolServer.ready`
+    with served_with_key(local, key):  # not waited for here: `SmolServer.ready`
         yield SmolServer(local.url, smollm2_dir, local, key)
-    finally:
-        local.stop()
-        if before is None:
-            os.environ.pop(API_KEY_ENV, None)
-        else:
-            os.environ[API_KEY_ENV] = before

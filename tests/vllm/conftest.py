@@ -10,6 +10,7 @@ and restarts it on the same port.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,6 +60,19 @@ def vllm_python_or_skip() -> Path:
     return py
 
 
+@contextlib.contextmanager
+def served_with_key(local: LocalServer, key: str) -> Iterator[LocalServer]:
+    """``local`` started, with its key in this process's environment (as `sluice up`
+    hands it to its roles) for the duration; on exit the server is stopped by PID and
+    the environment is as it was."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(API_KEY_ENV, key)
+        try:
+            yield local.start()
+        finally:
+            local.stop()
+
+
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     py = vllm_python_or_skip()
@@ -71,14 +85,6 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
     spec = ServerSpec(python=str(py), model=str(model_dir), lora_rank=8, max_loras=MAX_LORAS,
                       api_key=key)
     local = LocalServer(spec, root)
-    before = os.environ.get(API_KEY_ENV)
-    os.environ[API_KEY_ENV] = key
-    try:
-        local.start().wait_ready(START_TIMEOUT_S)
+    with served_with_key(local, key):
+        local.wait_ready(START_TIMEOUT_S)
         yield VLLMServer(local.url, model_dir, other, str(model_dir), local, key)
-    finally:
-        local.stop()
-        if before is None:
-            os.environ.pop(API_KEY_ENV, None)
-        else:
-            os.environ[API_KEY_ENV] = before
