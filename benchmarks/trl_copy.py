@@ -200,7 +200,8 @@ def main() -> None:
         use_bias_correction_kl=not a.no_kl_bias_correction,
         loss_type="dapo", epsilon=0.2, scale_rewards="group",
         temperature=1.0, max_steps=10**6, save_strategy="no", logging_steps=a.log_every,
-        report_to="none", bf16=False, use_cpu=True, seed=a.seed, disable_tqdm=True)
+        report_to="none", bf16=False, use_cpu=True, seed=a.seed, disable_tqdm=True,
+        gradient_checkpointing=False)  # GRPOConfig's default is True (slower); sluice's off
     held = HeldoutEval(a.model, heldout, a.max_new_tokens, EVAL_REWARDS)
     clock = EvalClock(a.out, lambda m: held(m.state_dict()), a.eval_every_s, a.budget_s,
                       a.target, a.completions_per_step)

@@ -67,6 +67,9 @@ def grpo_args(cfg: Config, out: Path, seed: int, generation: str, log_every: int
         epsilon=t.epsilon, epsilon_high=t.epsilon_high,
         importance_sampling_level=t.importance_sampling_level,
         num_iterations=t.num_iterations, scale_rewards=cfg.scoring.scale_rewards,
+        # GRPOConfig turns activation checkpointing on by default (a memory saving that
+        # recomputes each forward: slower); sluice's trainer runs as configured (off)
+        gradient_checkpointing=t.gradient_checkpointing,
         reward_weights=[r.weight for r in cfg.scoring.rewards],
         use_transformers_continuous_batching=generation == "paged",
         max_steps=10**6, save_strategy="no", logging_steps=log_every, report_to="none",

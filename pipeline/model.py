@@ -248,17 +248,20 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, *, seed: int | None = N
     return peft_model
 
 
-def load_policy(cfg: Config, *, device: str | torch.device = "cpu", dtype: str | None = None
-                ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+def load_policy(cfg: Config, *, device: str | torch.device = "cpu", dtype: str | None = None,
+                trained: bool = False) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """(policy in eval mode, tokenizer): the base model of ``cfg.model``, wrapped with a
-    LoRA adapter (seeded by ``run.seed``) when ``cfg.model.lora`` is set. ``dtype``
-    overrides ``model.dtype`` (the trainer's float32 master weights). Roles started by
-    `sluice` see ``model.path`` as the run's pinned folder already."""
+    LoRA adapter (seeded by ``run.seed``) when ``cfg.model.lora`` is set and either
+    ``trained`` (the trainer's policy) or the run publishes adapters (a role that loads
+    versions; with ``lora.sync = "merged"`` it keeps the plain model the full versions
+    fit). ``dtype`` overrides ``model.dtype`` (the trainer's float32 master weights).
+    Roles started by `sluice` see ``model.path`` as the run's pinned folder already."""
     model, tok = load_model(cfg.model.path, dtype=dtype or cfg.model.dtype, device=device,
                             attn_implementation=cfg.model.attn_implementation,
                             revision=cfg.model.revision)
-    if cfg.model.lora is not None:
-        model = apply_lora(model, cfg.model.lora, seed=cfg.run.seed)
+    lora = cfg.model.lora if trained else cfg.model.serving_lora
+    if lora is not None:
+        model = apply_lora(model, lora, seed=cfg.run.seed)
     return model, tok
 
 
@@ -281,6 +284,38 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     model = _require_peft(model)
     state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+
+@torch.no_grad()
+def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's ``state_dict`` with the active LoRA adapter merged in, keyed as
+    the plain (un-wrapped) model: what a server without LoRA loads as full weights.
+
+    Computed beside the training weights (base + peft's ``get_delta_weight``, scaling
+    and fan-in/fan-out included), never by ``merge_adapter``/``unmerge_adapter``: merging
+    in place and back would add a rounding error to the frozen base at every version.
+    Tensors that no adapter touches are the model's own (not copies); the caller casts
+    or copies (`pipeline.weights.shards.publishable`). Tied weights stay aliases.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    model = _require_peft(model)
+    name = model.active_adapter
+    base = model.get_base_model()
+    deltas = {f"{mod_name}.weight": mod.get_delta_weight(name)
+              for mod_name, mod in base.named_modules()
+              if isinstance(mod, LoraLayer) and name in mod.lora_A}
+    out: dict[str, torch.Tensor] = {}
+    for key, t in base.state_dict(keep_vars=False).items():
+        if ".lora_" in key:  # lora_A / lora_B / lora_embedding_* / lora_magnitude_*
+            continue
+        plain = key.replace(".base_layer.", ".")
+        delta = deltas.get(plain)
+        out[plain] = t if delta is None else t + delta.to(t.dtype)
+    missing = set(deltas) - set(out)
+    if missing:
+        raise ValueError(f"LoRA deltas without a base weight: {sorted(missing)[:3]}")
+    return out
 
 
 def adapter_to_model_keys(model: torch.nn.Module,

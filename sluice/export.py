@@ -289,14 +289,16 @@ def check_adapter_config(source: Source, lora: LoraConfig) -> None:
 def build(base: Base, source: Source, merge_lora: bool) -> tuple[torch.nn.Module, str]:
     """(model to ``save_pretrained``, what it is)."""
     if not source.lora:
-        if merge_lora:
+        if merge_lora and base.lora is None:
             raise ExportError("--merge-lora: this run trained full weights, not a LoRA "
                               "adapter; drop the flag")
-        if base.lora is not None:
+        if base.lora is not None and (source.kind != "version" or base.lora.sync == "adapter"):
             raise ExportError(f"{source.path} holds full weights, but the run's config "
-                              "has [model.lora]")
+                              "has [model.lora] (a run with lora.sync = \"merged\" publishes "
+                              "full versions; its checkpoints hold the adapter)")
         # a version: shards behind an index; a checkpoint: one model.safetensors
-        return load_full(base, read_full(source.path)), "full weights"
+        what = "merged LoRA" if base.lora is not None else "full weights"
+        return load_full(base, read_full(source.path)), what
     if base.lora is not None:
         check_adapter_config(source, base.lora)
     model = load_lora(base, read_adapter(source.path))

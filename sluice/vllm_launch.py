@@ -45,6 +45,20 @@ from workers.engines.vllm_guard import MIDDLEWARE as GUARD_MIDDLEWARE
 CHECKOUT = Path(__file__).resolve().parents[1]  # holds `workers`, for the guard's import
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's ``--max-lora-rank`` accepts (``MaxLoRARanks``, vllm/config/lora.py)."""
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds an adapter of ``rank``
+    (a rank of 4 or 12 as such is refused at server start)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest --max-lora-rank "
+                     f"({VLLM_LORA_RANKS[-1]})")
+
+
 @dataclass
 class ServerSpec:
     """What one local server serves and how; defaults are the CPU test settings."""
@@ -86,7 +100,7 @@ class ServerSpec:
         else:
             cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes)]
         if self.lora_rank:
-            cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank),
+            cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(self.lora_rank)),
                     "--max-loras", str(self.max_loras)]
         if self.api_key:
             cmd += ["--middleware", GUARD_MIDDLEWARE]

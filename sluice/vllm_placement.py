@@ -184,7 +184,7 @@ def vllm_specs(cfg: Config) -> list[ServerSpec]:
     python = Path(v.python).absolute()
     if not python.exists():
         python = Path(__file__).resolve().parents[1] / v.python  # relative to the checkout
-    lora = cfg.model.lora
+    lora = cfg.model.serving_lora  # merged LoRA: servers take full weights, no --enable-lora
     model = resolve_model(cfg.model.path, cfg.model.revision).local_dir
     nccl = NCCL_ARGS if v.weight_transfer == "nccl" else []
     key = run_key(cfg.output_path / "vllm", v.api_key_file)

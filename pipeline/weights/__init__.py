@@ -17,7 +17,7 @@ from pipeline.config import Config, ConfigError
 from pipeline.devices import DTYPES, resolve_device
 from pipeline.weights.base import WeightSource, WeightTransport
 from pipeline.weights.file import FileTransport, read_full
-from pipeline.weights.lora import LoraTransport, read_adapter
+from pipeline.weights.lora import LoraTransport, MergedLoraTransport, read_adapter
 from pipeline.weights.store import (
     ADAPTER_CONFIG,
     ADAPTER_FILE,
@@ -30,7 +30,8 @@ from pipeline.weights.store import (
 )
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "INDEX", "MANIFEST", "FileTransport",
-           "LoraTransport", "WeightError", "WeightSource", "WeightStore", "WeightTransport",
+           "LoraTransport", "MergedLoraTransport", "WeightError", "WeightSource", "WeightStore",
+           "WeightTransport",
            "cache_path", "check_store", "engine_format", "make_transport", "open_store",
            "read_adapter", "read_full", "sha256_file", "table_sha256"]
 
@@ -79,15 +80,18 @@ def engine_format(msg: WeightsPublished) -> str:
 
 
 def make_transport(cfg: Config, *, keep: int = 4) -> WeightTransport:
-    """`lora` for ``[model.lora]`` runs; `nccl` when the vLLM servers take NCCL pushes
+    """`lora` for ``[model.lora]`` runs (merged full weights with ``lora.sync =
+    "merged"``); `nccl` when the vLLM servers take NCCL pushes
     (``generation.vllm.weight_transfer = "nccl"``); otherwise `file`. All of them
     store versions in `open_store`; ``keep`` is the pruning window. Full weights are
     published in ``model.dtype`` (the serving dtype), not the trainer's float32 master
     copy; with ``weights.full_every`` > 1, deltas between full versions."""
     store = open_store(cfg, keep=keep)
     serving = DTYPES[cfg.model.dtype]  # versions are written in the engines' dtype
-    if cfg.model.lora is not None:
+    if cfg.model.lora is not None and cfg.model.lora.sync == "adapter":
         return LoraTransport(store, base_model=cfg.model.path)
+    if cfg.model.lora is not None:  # merged: full weights, never deltas (root.py's rule)
+        return MergedLoraTransport(store, dtype=serving, cache_dir=cache_path(cfg))
     file = FileTransport(store, dtype=serving, full_every=cfg.weights.full_every,
                          cache_dir=cache_path(cfg))
     v = cfg.generation.vllm

@@ -1,4 +1,5 @@
-"""The `lora` transport: only the trained peft adapter, per version, for LoRA runs.
+"""The `lora` transport: only the trained peft adapter, per version, for LoRA runs; and
+`MergedLoraTransport`: the adapter merged into the base, published as full weights.
 
 A version directory holds ``adapter_model.safetensors`` (peft's saved keys,
 ``base_model.model.….lora_A.weight``) and ``adapter_config.json`` (the adapter's peft
@@ -22,6 +23,7 @@ from safetensors.torch import load_file, save
 
 from pipeline.bus.schema import WeightsPublished
 from pipeline.weights.base import WeightSource, WeightTransport
+from pipeline.weights.file import FileTransport
 from pipeline.weights.shards import HEADER_PT
 from pipeline.weights.store import ADAPTER_CONFIG, ADAPTER_FILE, WeightError, WeightStore
 
@@ -80,3 +82,19 @@ class LoraTransport(WeightTransport):
     def load(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
         """An announced adapter's tensors, after `WeightStore.verify` (blocking)."""
         return read_adapter(self.store.verify(msg))
+
+
+class MergedLoraTransport(FileTransport):
+    """A LoRA run's versions as full weights (``model.lora.sync = "merged"``): the
+    trainer's peft model is merged on the fly (`pipeline.model.merged_state`, the base
+    untouched) and written as the `file` transport writes any full version, so every
+    reader (a vLLM server without ``--enable-lora``, the in-process engine's plain model,
+    `sluice export`) sees an ordinary ``safetensors`` version."""
+
+    def write(self, source: WeightSource, *, version: int, step: int) -> WeightsPublished:
+        from pipeline.model import is_peft, merged_state
+
+        if not isinstance(source, torch.nn.Module) or not is_peft(source):
+            raise TypeError(f"the merged LoRA transport publishes a peft model merged, "
+                            f"got {type(source).__name__}")
+        return super().write(merged_state(source), version=version, step=step)

@@ -241,7 +241,7 @@ def _server(cfg: Config, python: str, port: int) -> Server:
     """A vLLM server as `sluice.vllm_placement.vllm_specs` launches one, except that
     it loads ``model.path`` as written (a hub id through the shared HF cache, a folder
     relative to the role's working directory) and its GPU comes from the scheduler."""
-    v, lora = cfg.generation.vllm, cfg.model.lora
+    v, lora = cfg.generation.vllm, cfg.model.serving_lora
     gpu = v.gpu_memory_utilization > 0
     extra = list(v.extra_args)
     if is_hub_id(cfg.model.path) and cfg.model.revision != "main":
