@@ -70,7 +70,7 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
     low = torch_dtype(cfg.model.dtype)
     master = "float32" if train_cfg.fp32_master else cfg.model.dtype
     compute = low if train_cfg.fp32_master and low != torch.float32 else None
-    model, tok = load_policy(cfg, device=device, dtype=master)
+    model, tok = load_policy(cfg, device=device, dtype=master, trained=True)
     model.train()
     if train_cfg.gradient_checkpointing:
         base = model.get_base_model() if is_peft(model) else model  # type: ignore[operator]

@@ -120,7 +120,7 @@ class VLLMEngine(WeightSync):
         LoRA adapters are named ``<run>-eval-v<N>`` and one is kept, the evaluated one;
         weights always come from the store, never NCCL)."""
         v = cfg.generation.vllm
-        lora = cfg.model.lora is not None
+        lora = cfg.model.serving_lora is not None  # merged LoRA versions are full weights
         keep = 1 if evaluator else cfg.trainer.max_staleness + 1
         prefix = f"{cfg.run.name}-eval" if evaluator else cfg.run.name
         return cls(cfg.eval.vllm_urls if evaluator else v.urls,
