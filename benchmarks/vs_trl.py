@@ -89,6 +89,22 @@ def run_trl(a: argparse.Namespace, model: Path, out: Path, seed: int, threads: i
     return trl_result(out, threads)
 
 
+def parts_of(row: dict[str, Any]) -> dict[str, float]:
+    """An eval row's figures a report may pick as its "reward" later (`pick_metric`):
+    pass@1, the total reward and each reward's own mean."""
+    return {k: v for k, v in row.items() if k in ("pass@1", "reward") or k.startswith("rewards/")}
+
+
+def pick_metric(res: dict[str, dict[str, dict[str, Any]]], metric: str) -> None:
+    """Make every stored eval row's "reward" the figure ``metric`` (rows saved with their
+    `parts_of`; older rows keep theirs), so one set of runs is reported by any metric."""
+    for seeds in res.values():
+        for r in seeds.values():
+            for e in r.get("evals", []):
+                if metric in e.get("parts", {}):
+                    e["reward"] = e["parts"][metric]
+
+
 def trl_result(out: Path, threads: int, metric: str = "reward") -> dict[str, Any]:
     """A finished TRL run (``trl_copy.py`` or ``trl_real.py``) as a results entry: its
     eval rows (the report's "reward" = the eval row's ``metric``), mechanism metrics,
@@ -97,7 +113,8 @@ def trl_result(out: Path, threads: int, metric: str = "reward") -> dict[str, Any
     prof = json.loads((out / "profile.json").read_text())
     evals = read_jsonl(out / "eval.jsonl")
     return {"evals": [{"t": e["t"], "samples": e["samples"], "step": e["step"],
-                       "exact": e["pass@1"], "reward": e[metric]} for e in evals],
+                       "exact": e["pass@1"], "reward": e[metric], "parts": parts_of(e)}
+                      for e in evals],
             "mech": mechanism(read_jsonl(out / "metrics.jsonl")),
             "steps": prof["steps"], "steps_per_s": prof["steps"] / max(prof["train_clock_s"], 1e-9),
             "threads": threads,

@@ -105,6 +105,8 @@ from benchmarks.vs_trl import (  # noqa: E402
     PY,
     generated_samples,
     parse_arms,
+    parts_of,
+    pick_metric,
     probe_fastest,
     trl_result,
     watch,
@@ -276,7 +278,8 @@ def evaluate_snapshots(a: argparse.Namespace, cfg: Config, seed: int,
             done[version] = held(read_weights(held.model, folder, "safetensors"))
         res, step = done[version], step_of.get(version, version)
         rows.append({"t": mark, "samples": generated.get(step, 0), "step": step,
-                     "version": version, "exact": res["pass@1"], "reward": res[a.metric]})
+                     "version": version, "exact": res["pass@1"], "reward": res[a.metric],
+                     "parts": parts_of(res)})
         print(f"   sluice t={mark:6.1f}s v{version} step={step:4d} pass@1={res['pass@1']:.3f}"
               f" {a.metric}={res[a.metric]:.3f}", flush=True)
     return rows
@@ -343,6 +346,7 @@ def main() -> None:
 
         ensure_model(cfg)  # the model folder, from its GGUF file on first use
         run_all(a, cfg, saved, path)
+    pick_metric(res, a.metric)  # --report-only --metric X: the same runs by another figure
     trl_samples = max((e["samples"] for s in res.get("trl", {}).values() for e in s["evals"]),
                       default=0)
     span = a.auc_samples or trl_samples or 1000
