@@ -83,7 +83,7 @@ def run_role(main: Callable[[asyncio.Event], Awaitable[Any]], role: str) -> Any:
         finally:
             bound_exit()
 
-    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    before = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, END_SIGNAL) if sig}
     try:
         return event_loop_runner()(runner())
     finally:
@@ -120,6 +120,27 @@ def restore_signals(before: dict[signal.Signals, Any]) -> None:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     with contextlib.suppress(ValueError):
         signal.set_wakeup_fd(-1)
+
+
+END_SIGNAL = signal.SIGUSR2 if hasattr(signal, "SIGUSR2") else None
+"""``kill -USR2 TRAINER_PID`` asks the trainer to end the run in order: finish the step in
+hand, write its final checkpoint, announce `RunFinished` as at ``max_steps`` (so the
+evaluator evaluates the final version and every role exits by itself). `sluice up` sends
+it on ``run.max_time_s`` and on the first Ctrl-C. Other roles ignore it."""
+
+
+def end_requests(stop: asyncio.Event) -> asyncio.Event:
+    """An event set, with ``stop``, when this process gets `END_SIGNAL` (the caller tells
+    an orderly end from a plain stop by it). Call from the role's running loop."""
+    end = asyncio.Event()
+
+    def ended() -> None:
+        end.set()
+        stop.set()
+
+    if END_SIGNAL is not None:
+        asyncio.get_running_loop().add_signal_handler(END_SIGNAL, ended)
+    return end
 
 
 STACKS_SIGNAL = signal.SIGUSR1 if hasattr(signal, "SIGUSR1") else None

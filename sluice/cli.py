@@ -7,9 +7,15 @@ It parses, runs the roles' preflights and dispatches: it imports ``workers/`` an
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
+
+if hasattr(signal, "SIGUSR2"):  # pipeline.runtime.END_SIGNAL: a request to end the run
+    # that reaches a role still importing must not kill it (the default action); the
+    # trainer takes it up once its loop runs (`pipeline.runtime.end_requests`)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 from pipeline.config import Config, ConfigError, load_config
 

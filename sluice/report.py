@@ -48,6 +48,7 @@ def summary_dict(cfg: Config, samples: ScorerSamples, snap: dict[str, Any],
     target = parse_target(cfg.up.stop_at)
     hit = first_reaching(evals, target)
     stal = [m["staleness_mean"] for m in metrics]
+    final = snap["state"].get("version")  # the newest version the trainer published
     return {
         "reason": reason,
         "steps": metrics[-1]["step"] if metrics else 0,
@@ -63,6 +64,11 @@ def summary_dict(cfg: Config, samples: ScorerSamples, snap: dict[str, Any],
         "eval_pass@1_after": evals[-1].get("pass@1") if len(evals) > 1 else None,
         "eval_reward_before": evals[0]["reward"] if evals else None,
         "eval_reward_after": evals[-1]["reward"] if len(evals) > 1 else None,
+        "eval_version_before": evals[0].get("version") if evals else None,
+        "eval_version_after": evals[-1].get("version") if len(evals) > 1 else None,
+        "final_version": final,
+        "final_version_evaluated": bool(evals) and final is not None
+        and evals[-1].get("version") == final,
         "target": str(target) if target else None,
         "time_to_target_s": round(hit["ts"] - samples.t0, 1) if hit else None,
         "step_at_target": hit["step"] if hit else None,
@@ -101,6 +107,23 @@ def plot(cfg: Config, samples: ScorerSamples, path: Path) -> None:
     plt.close(fig)
 
 
+def evaluated_versions(s: dict[str, Any]) -> str:
+    """Which versions the held-out figures are of, and whether the last is the final one
+    (a run stopped at once, or one whose final evaluation failed, has figures of an older
+    version: the reader must see that)."""
+    first, last, final = (s["eval_version_before"], s["eval_version_after"],
+                          s["final_version"])
+    if first is None:
+        return ""
+    if last is None:
+        last = first
+    if final is None:
+        return f"  (v{first} -> v{last})"
+    if s["final_version_evaluated"]:
+        return f"  (v{first} -> v{last}, the final version)"
+    return f"  (v{first} -> v{last}; the final version, v{final}, was not evaluated)"
+
+
 def summarize(cfg: Config, samples: ScorerSamples, snap: dict[str, Any], reason: str
               ) -> bool:
     """Print the summary, write summary.json and the plot; True if the books balance."""
@@ -117,6 +140,7 @@ def summarize(cfg: Config, samples: ScorerSamples, snap: dict[str, Any], reason:
         return "-" if x is None else format(x, spec)
 
     c = s["conservation"]
+    which = evaluated_versions(s)
     to_target = ("no up.stop_at" if s["target"] is None else
                  f"{s['target']}: not reached" if s["time_to_target_s"] is None else
                  f"{s['target']}: {s['time_to_target_s']:.0f} s (step {s['step_at_target']})")
@@ -124,7 +148,7 @@ def summarize(cfg: Config, samples: ScorerSamples, snap: dict[str, Any], reason:
 sluice run {cfg.run.name!r} ended: {reason}
   steps                 {s['steps']} in {s['wall_s']} s
   completions scored    {s['completions_scored']} ({f(s['completions_per_s'], '.1f')}/s)
-  held-out pass@1       {f(s['eval_pass@1_before'])} -> {f(s['eval_pass@1_after'])}
+  held-out pass@1       {f(s['eval_pass@1_before'])} -> {f(s['eval_pass@1_after'])}{which}
   held-out reward       {f(s['eval_reward_before'])} -> {f(s['eval_reward_after'])}
   sampled reward        {f(s['sampled_reward_first'])} -> {f(s['sampled_reward_last'])}
   time to target        {to_target}

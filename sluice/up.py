@@ -17,8 +17,11 @@ survives the crash: leases, reclaim, the trainer's checkpoint); one that crashes
 ``up.max_restarts`` times within ``up.restart_window_s`` ends the run, named.
 
 Shutdown: the trainer ends the run at ``max_steps`` with a `RunFinished` announcement,
-on which every other role exits by itself. On Ctrl-C, ``max_time_s``, or a role given up
-on, every child gets SIGTERM (by PID), finishes or releases its work and exits;
+on which every other role exits by itself (the evaluator after evaluating the final
+version). On ``max_time_s``, ``up.stop_at`` met, or a first Ctrl-C the supervisor asks the
+trainer for the same end (`begin_end`: it finishes its step first), bounded by
+``up.end_timeout_s``. On a second Ctrl-C, a SIGTERM to `sluice up`, that bound passed, or
+a role given up on, every child gets SIGTERM (by PID), finishes or releases its work and exits;
 stragglers are asked for their threads' stacks (SIGUSR1, into their logs) and get SIGKILL
 after a grace period; a trainer still running `EXIT_AFTER_FINISH_S` after it announced
 the end is such a straggler. A failed role is reported with the tail of its log (a whole
@@ -109,15 +112,16 @@ def progress_text(s: dict[str, Any], shown: str) -> str:
 
 
 def stop_reason(sup: Supervisor, stop: asyncio.Event, policy: RestartPolicy,
-                finished_at: float | None) -> str | None:
+                finished_at: float | None, ending: bool = False) -> str | None:
     """Why the run ends now, from what this process sees without Redis (None: it goes
     on). Restarts crashed roles on the way (`Supervisor.handle_crashes`). A trainer that
     exited 0, or one still running `EXIT_AFTER_FINISH_S` after its `RunFinished` was
-    first seen (``finished_at``), ends it as "finished"."""
+    first seen (``finished_at``), ends it as "finished". ``ending``: an orderly end is
+    under way (`supervise`), so ``max_time_s`` is no longer a reason."""
     cfg = sup.cfg
     if stop.is_set():
         return "interrupted"
-    if cfg.run.max_time_s and time.time() - sup.t0 > cfg.run.max_time_s:
+    if not ending and cfg.run.max_time_s and time.time() - sup.t0 > cfg.run.max_time_s:
         return "max_time_s"
     bad = sup.handle_crashes(policy)
     if bad is not None:
@@ -133,9 +137,41 @@ def stop_reason(sup: Supervisor, stop: asyncio.Event, policy: RestartPolicy,
     return None
 
 
-async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
+ORDERLY = ("max_time_s", "interrupted", "stop_at")
+"""The reasons (prefixes) that end a run in order (`begin_end`) when
+``up.end_timeout_s`` > 0; the others (a role given up on) stop every role at once."""
+END_RESEND_S = 5.0  # the end request again this often (a trainer restarting may miss one)
+
+
+def begin_end(sup: Supervisor, reason: str) -> bool:
+    """Ask the trainer to end the run (`pipeline.runtime.END_SIGNAL`): it finishes its
+    step and announces `RunFinished`, on which the evaluator evaluates the final version
+    and every role exits. False (stop as before) when ``up.end_timeout_s`` is 0 or no
+    trainer is running to ask."""
+    from pipeline.runtime import END_SIGNAL
+    from sluice.supervisor import signal_role
+
+    trainer = sup.children[0]
+    if not sup.cfg.up.end_timeout_s or END_SIGNAL is None or trainer.proc.poll() is not None:
+        return False
+    signal_role(trainer.proc, END_SIGNAL)
+    what = "max_time_s reached" if reason == "max_time_s" else reason
+    print(f"sluice: {what}: ending the run in order (the trainer's last step, then the "
+          f"final version evaluated; at most {sup.cfg.up.end_timeout_s:g} s"
+          + ("; Ctrl-C again to stop at once)" if reason == "interrupted" else ")"),
+          file=sys.stderr, flush=True)
+    return True
+
+
+async def supervise(sup: Supervisor, stop: asyncio.Event, hard: asyncio.Event | None = None
+                    ) -> tuple[str, float | None]:
     """Watch the run until it ends (`stop_reason`, or ``up.stop_at`` met by the
-    evaluator), showing its progress; returns why it ended."""
+    evaluator), showing its progress; returns why it ended and, when it ends in order
+    (max_time_s or a first Ctrl-C, `begin_end`: the trainer has announced the end and
+    the other roles are finishing), the time by which they must have exited (None for
+    every other reason, and after a second Ctrl-C or ``up.end_timeout_s``: every role is
+    then stopped as it stands). ``hard`` set with ``stop`` (SIGTERM, a process manager's
+    stop): no orderly end."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -150,9 +186,33 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
     target = parse_target(cfg.up.stop_at)
     shown = target.metric if target else "pass@1"  # the eval metric on the progress line
     finished_at: float | None = None  # when the trainer's RunFinished was first seen
+    ending: str | None = None  # the reason of an orderly end under way
+    ending_at = resent_at = 0.0
     async with connected(cfg, role="monitor") as bus:
         with progress:
-            while (reason := stop_reason(sup, stop, policy, finished_at)) is None:
+            while True:
+                reason = stop_reason(sup, stop, policy, finished_at, ending is not None)
+                if reason is not None and ending is None and reason.startswith(ORDERLY) \
+                        and not (hard is not None and hard.is_set()) and begin_end(sup, reason):
+                    ending, ending_at = reason, time.time()
+                    resent_at = ending_at
+                    stop.clear()  # a second Ctrl-C sets it again
+                    continue
+                if reason is not None:
+                    if ending is not None and reason == "interrupted":
+                        print("sluice: stopping every role now", file=sys.stderr, flush=True)
+                    if ending is not None and reason == "finished":
+                        return ending, ending_at + cfg.up.end_timeout_s
+                    return ("interrupted" if reason == "interrupted" else ending or reason), None
+                if ending is not None:
+                    if time.time() - ending_at > cfg.up.end_timeout_s:
+                        print(f"sluice: the orderly end took more than up.end_timeout_s = "
+                              f"{cfg.up.end_timeout_s:g} s; stopping every role now",
+                              file=sys.stderr, flush=True)
+                        return ending, None
+                    if finished_at is None and time.time() - resent_at > END_RESEND_S:
+                        begin_end_again(sup)
+                        resent_at = time.time()
                 try:
                     snap = await snapshot(bus)
                 except Exception:
@@ -162,8 +222,12 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
                 if finished_at is None and await finished_announced(bus):
                     finished_at = time.time()
                 s = status_line(sup, snap)
-                if target is not None and target.met(s["eval"]):
-                    return f"stop_at {target} reached"
+                if target is not None and target.met(s["eval"]) and ending is None:
+                    reached = f"stop_at {target} reached"
+                    if not begin_end(sup, reached):
+                        return reached, None
+                    ending, ending_at = reached, time.time()
+                    resent_at = ending_at
                 text = progress_text(s, shown)
                 progress.update(task, completed=s["step"], s=text)
                 if not live and time.time() - last_print > 10:
@@ -171,7 +235,27 @@ async def supervise(sup: Supervisor, stop: asyncio.Event) -> str:
                     print(f"[{time.time() - sup.t0:6.0f}s] {text}", file=sys.stderr,
                           flush=True)
                 await asyncio.sleep(0.5)
-    return reason
+
+
+def begin_end_again(sup: Supervisor) -> None:
+    """The end request once more, quietly (a trainer restarted meanwhile, or one that was
+    still importing, ignores or never saw the first; a second one is harmless)."""
+    from pipeline.runtime import END_SIGNAL
+    from sluice.supervisor import signal_role
+
+    if END_SIGNAL is not None and sup.children[0].proc.poll() is None:
+        signal_role(sup.children[0].proc, END_SIGNAL)
+
+
+async def roles_exit(sup: Supervisor, stop: asyncio.Event, timeout_s: float) -> None:
+    """Wait until every role has exited by itself, ``timeout_s`` has passed, or ``stop``
+    is set (a Ctrl-C: stop waiting)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and any(c.proc.poll() is None for c in sup.children):
+        if stop.is_set():
+            print("sluice: stopping every role now", file=sys.stderr, flush=True)
+            return
+        await asyncio.sleep(0.2)
 
 
 def ensure_model(cfg: Config) -> None:
@@ -249,10 +333,11 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
         print(f"sluice: {e}", file=sys.stderr)
         return 2
     sup = Supervisor(cfg, config_path, overrides, eval_every_s=eval_every_s)
-    stop = asyncio.Event()
+    stop = asyncio.Event()  # Ctrl-C: the orderly end first, a second one stops at once
+    hard = asyncio.Event()  # SIGTERM: stop at once, as a process manager expects
     loop = asyncio.new_event_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, lambda: (hard.set(), stop.set()))
     try:
         urls: list[str] = []
         if specs:
@@ -263,12 +348,12 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
             urls = [s.url for s in servers]
         n = cfg.generation.vllm.launch
         sup.start_roles(vllm_urls=urls[:n], eval_urls=urls[n:])
-        reason = loop.run_until_complete(supervise(sup, stop))
-        if reason == "finished":
-            # every role exits on RunFinished; give them time to flush, then insist
-            deadline = time.time() + 60
-            while time.time() < deadline and any(c.proc.poll() is None for c in sup.children):
-                time.sleep(0.2)
+        reason, end_by = loop.run_until_complete(supervise(sup, stop, hard))
+        if reason == "finished" or end_by is not None:
+            # every role exits on RunFinished (the evaluator after evaluating the final
+            # version); give them time to, then insist
+            wait_s = 60.0 if end_by is None else max(end_by - time.time(), 10.0)
+            loop.run_until_complete(roles_exit(sup, stop, wait_s))
         sup.terminate()
         for server in servers:  # they serve only the roles, all gone now: their shutdown
             server.terminate()  # (seconds each) overlaps the summary and the audit

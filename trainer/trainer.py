@@ -61,7 +61,7 @@ from pipeline.bus.version_check import verified_version
 from pipeline.config import Config, ConfigError
 from pipeline.devices import resolve_device
 from pipeline.metrics import start as start_metrics
-from pipeline.runtime import Heartbeat, bound_exit, connect, limits, set_threads
+from pipeline.runtime import Heartbeat, bound_exit, connect, end_requests, limits, set_threads
 from pipeline.tracking import Tracker, check_report_to, open_tracker, trainer_metrics
 from pipeline.weights import check_store, make_transport
 from trainer import setup
@@ -86,6 +86,7 @@ from trainer.step import compute_loss, optimize
 log = logging.getLogger("sluice.trainer")
 R = TypeVar("R")
 
+ENDED = "ended"  # RunFinished.reason of an orderly end asked for (END_SIGNAL)
 IDLE_EVERY_S = 30.0  # rank 0 tells waiting ranks it is alive at least this often
 
 
@@ -282,7 +283,11 @@ class Trainer:
         if self.nccl is not None:
             await self.nccl.start()
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, end: asyncio.Event | None = None) -> None:
+        """Train until ``max_steps`` or ``stop``. ``end`` set (with ``stop``: an orderly
+        end asked for, `pipeline.runtime.END_SIGNAL`): the step in hand finishes, the final
+        checkpoint is written and `RunFinished` announced as at ``max_steps``, so the
+        evaluator evaluates the newest version and every role exits; a resume clears it."""
         if not self.ranks.is_main:
             try:
                 await self.compute(self.follow)
@@ -321,6 +326,10 @@ class Trainer:
                 clean = True
                 if reason == "max_steps":
                     await control.finish(bus, "max_steps")
+                elif end is not None and end.is_set():
+                    log.info("ending the run as asked at step %d (version %d)",
+                             self.state.step, self.state.version)
+                    await control.finish(bus, ENDED)
             finally:
                 await hb.stop()
                 log.info("trainer stopped at step %d", self.state.step)
@@ -464,5 +473,6 @@ def rank_of(name: str | None) -> int:
 
 
 async def main(cfg: Config, stop: asyncio.Event, name: str | None = None) -> None:
+    end = end_requests(stop)  # first: a request that arrives while the model loads counts
     set_threads(cfg.trainer.threads)
-    await Trainer(cfg, rank_of(name)).run(stop)
+    await Trainer(cfg, rank_of(name)).run(stop, end)

@@ -31,6 +31,13 @@ class UpConfig(_Section):
     times within restart_window_s. 0 = stop the run at the first crash."""
     restart_window_s: float = Field(300.0, gt=0)
     """The window in which a role's crashes count against max_restarts."""
+    end_timeout_s: float = Field(600.0, ge=0)
+    """On ``run.max_time_s``, ``stop_at`` met and the first Ctrl-C the run ends in order:
+    the trainer finishes its step and announces the end as at ``max_steps``, the evaluator
+    evaluates that final version, then every role exits. This bounds how long that may
+    take before every role is stopped as it stands (a second Ctrl-C or a SIGTERM does that
+    at once); 0 = no orderly end (stop every role at once, the final version not
+    evaluated)."""
     plot: bool = True
     """Write reward_curve.png into output_dir at the end."""
     metrics: bool = True

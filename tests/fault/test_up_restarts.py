@@ -81,6 +81,7 @@ def test_kill_9_of_each_role_under_sluice_up_is_survived(tmp_path: Path) -> None
     err = (tmp_path / "up.err").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["reason"] == "interrupted" and summary["steps"] >= 30, summary
+    assert summary["final_version_evaluated"], summary  # a first Ctrl-C ends in order
     assert summary["conservation"]["balanced"], summary
     assert "; last lines of" not in err, err[-3000:]  # no role left failed
     for name in ("scorer-0", "generator-0", "evaluator", "trainer-0"):
