@@ -50,6 +50,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -135,11 +136,13 @@ def role_of(p: psutil.Process) -> str:
     return next((ROLES[tok] for tok in argv if tok in ROLES), "other")
 
 
-def watch(proc: psutil.Popen, tick: Callable[[], bool], every_s: float = 1.0
-          ) -> dict[str, float]:
+def watch(proc: psutil.Popen, tick: Callable[[], bool], every_s: float = 1.0,
+          stop_signal: int = signal.SIGTERM) -> dict[str, float]:
     """Until ``proc`` exits: every ``every_s`` sample the CPU seconds of it and all its
     descendants, then call ``tick``, which returns True to stop the run (``proc`` gets
-    SIGTERM, once). CPU seconds per role (`role_of`), summed over processes."""
+    ``stop_signal``, once: SIGTERM stops `sluice up` at once, SIGINT ends it in order,
+    its final version evaluated). CPU seconds per role (`role_of`), summed over
+    processes."""
     cpu: dict[int, tuple[str, float]] = {}
     stopped = False
     while proc.poll() is None:
@@ -150,7 +153,7 @@ def watch(proc: psutil.Popen, tick: Callable[[], bool], every_s: float = 1.0
             except psutil.Error:
                 pass
         if not stopped and tick():
-            proc.terminate()
+            proc.send_signal(stop_signal)
             stopped = True
         time.sleep(every_s)
     by_role: dict[str, float] = {}
@@ -179,18 +182,23 @@ def run_sluice(a: argparse.Namespace, model: Path, out: Path, seed: int,
     def tick() -> bool:  # the budget is counted from the step-0 eval, like TRL's
         if not t_first and (evals := read_jsonl(out / "eval.jsonl")):
             t_first.append(evals[0]["ts"])
-        return bool(t_first) and time.time() - t_first[0] > a.budget_s + 5
+        return bool(t_first) and time.time() - t_first[0] > a.budget_s
 
-    with open(out.parent / f"{out.name}.log", "w") as log:
+    with open(out.parent / f"{out.name}.log", "w") as log:  # SIGINT: the final version
         by_role = watch(psutil.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT),
-                        tick)
+                        tick, stop_signal=signal.SIGINT)  # is evaluated, as TRL's end is
     evals = read_jsonl(out / "eval.jsonl")
     metrics = read_jsonl(out / "metrics.jsonl")
     generated = generated_samples(metrics, groups_per_step=8, group=8)  # copy.toml's
     t0 = evals[0]["ts"] if evals else 0.0
     rows = [{"t": e["ts"] - t0, "samples": generated.get(e["step"], 0), "step": e["step"],
-             "exact": e["pass@1"], "reward": e["reward"]}
+             "exact": e["pass@1"], "reward": e["reward"], "parts": parts_of(e)}
             for e in evals if e["ts"] - t0 <= a.budget_s + 1e-6]
+    if evals and evals[-1]["ts"] - t0 > a.budget_s + 1e-6:  # the orderly end's evaluation
+        e = evals[-1]  # of the weights at the budget's end (+ the step in hand), at its mark
+        rows.append({"t": a.budget_s, "samples": generated.get(e["step"], 0),
+                     "step": e["step"], "exact": e["pass@1"], "reward": e["reward"],
+                     "parts": parts_of(e)})
     last = metrics[-1] if metrics else {}
     late = [m for m in metrics if m["step"] >= 0.8 * last.get("step", 0)] or [{}]
     return {"evals": rows, "steps": last.get("step", 0), "profile": by_role,

@@ -4,7 +4,14 @@ seeds, and the mechanism summary reads each run's first and last quarter."""
 from __future__ import annotations
 
 import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
+import psutil
+
+from benchmarks.vs_trl import parts_of, pick_metric, watch
 from benchmarks.vs_trl_report import mechanism, report
 
 
@@ -30,3 +37,24 @@ def test_mechanism_means_early_and_late_quarters() -> None:
     assert m["early"]["entropy"] == 0.5 and m["late"]["entropy"] == 6.5
     assert "clip_ratio/region_mean" not in m["late"]  # NaN only: omitted
     assert mechanism([]) == {}
+
+
+def test_runs_are_reported_by_any_stored_figure_and_watch_sends_the_stop_signal(
+        tmp_path: Path) -> None:
+
+    row = {"t": 0.0, "pass@1": 0.25, "reward": 0.5, "rewards/a": 0.75, "eval_s": 3.0}
+    assert parts_of(row) == {"pass@1": 0.25, "reward": 0.5, "rewards/a": 0.75}
+    res = {"trl": {"0": {"evals": [{"reward": 0.5, "parts": parts_of(row)}, {"reward": 0.1}]}}}
+    pick_metric(res, "rewards/a")
+    assert [e["reward"] for e in res["trl"]["0"]["evals"]] == [0.75, 0.1]  # old rows kept
+
+    # a run stopped with SIGINT (sluice up's orderly end) sees SIGINT, not SIGTERM
+    seen = tmp_path / "seen"
+    code = ("import signal, sys, time\n"
+            f"def got(n, f):\n    open({str(seen)!r}, 'w').write(str(n)); sys.exit(0)\n"
+            "signal.signal(signal.SIGINT, got)\nsignal.signal(signal.SIGTERM, got)\n"
+            "open(" + repr(str(seen) + ".ready") + ", 'w').close()\ntime.sleep(60)\n")
+    proc = psutil.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
+    ready = Path(str(seen) + ".ready")
+    watch(proc, lambda: ready.exists(), every_s=0.1, stop_signal=signal.SIGINT)
+    assert seen.read_text() == str(int(signal.SIGINT))
