@@ -189,9 +189,10 @@ def main() -> int:
         return 1
     s = json.loads((run / "summary.json").read_text())
     first, last = reverse_kl(run)
-    em = s["eval_pass@1_after"]
+    em = s["value_at_target"] if s["value_at_target"] is not None else s["eval_pass@1_after"]
     print(f"student: {s['reason']}; held-out exact match {s['eval_pass@1_before']:.3f} -> "
-          f"{em:.3f} at step {s['steps']} ({s['wall_s']:.0f} s)")
+          f"{em:.3f} at step {s['step_at_target']} ({s['time_to_target_s']} s); the final "
+          f"version (step {s['steps']}): {s['eval_pass@1_after']:.3f}")
     print(f"student / teacher exact match: {em / teacher_em:.3f}")
     print(f"reverse KL, first 400 groups -> last 400: {first:.2f} -> {last:.2f} nats/token")
     return 0 if s["reason"].startswith("stop_at") else 1

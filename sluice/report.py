@@ -72,6 +72,11 @@ def summary_dict(cfg: Config, samples: ScorerSamples, snap: dict[str, Any],
         "target": str(target) if target else None,
         "time_to_target_s": round(hit["ts"] - samples.t0, 1) if hit else None,
         "step_at_target": hit["step"] if hit else None,
+        # The version that met up.stop_at and its figure. The run ends in order after it,
+        # so the final version (eval_*_after) is a few steps later and is evaluated again:
+        # it need not still meet the target.
+        "version_at_target": hit.get("version") if hit else None,
+        "value_at_target": hit.get(target.metric) if hit and target else None,
         "staleness_mean": sum(stal) / len(stal) if stal else None,
         "staleness_max": max((m["staleness_max"] for m in metrics), default=None),
         "dropped_stale": snap["conservation"]["by_reason"]["stale"],
@@ -143,7 +148,8 @@ def summarize(cfg: Config, samples: ScorerSamples, snap: dict[str, Any], reason:
     which = evaluated_versions(s)
     to_target = ("no up.stop_at" if s["target"] is None else
                  f"{s['target']}: not reached" if s["time_to_target_s"] is None else
-                 f"{s['target']}: {s['time_to_target_s']:.0f} s (step {s['step_at_target']})")
+                 f"{s['target']}: {s['time_to_target_s']:.0f} s (step {s['step_at_target']}, "
+                 f"v{s['version_at_target']}: {f(s['value_at_target'])})")
     print(f"""
 sluice run {cfg.run.name!r} ended: {reason}
   steps                 {s['steps']} in {s['wall_s']} s

@@ -121,6 +121,8 @@ def test_sluice_up_learns_the_reverse_task_at_beta_zero(tmp_path: Path) -> None:
     assert summary["eval_reward_before"] < 0.03, summary  # so 0.06 is at least a doubling
     assert summary["time_to_target_s"] is not None and summary["step_at_target"] > 0, summary
     assert "time to target        reward>=0.06:" in proc.stdout, proc.stdout
+    assert summary["value_at_target"] >= 0.06, summary
+    assert summary["version_at_target"] <= summary["final_version"], summary
     # stop_at ends in order: the version trained past the target is evaluated too
     assert summary["final_version_evaluated"], summary
     assert "the final version)" in proc.stdout, proc.stdout
