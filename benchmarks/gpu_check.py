@@ -137,7 +137,7 @@ def stage_control_plane(device: torch.device) -> dict[str, Any]:
 def layout_logps(model: torch.nn.Module, batch: Batch, kind: LayoutKind) -> torch.Tensor:
     fwd = CompletionLogprobs(model, temperature=1.0)
     with torch.no_grad():
-        logps, _ = fwd(make_layout(batch, kind, pad_id=0), batch)
+        logps = fwd(make_layout(batch, kind, pad_id=0), batch)[0]
     return logps.float().cpu()
 
 

@@ -125,6 +125,9 @@ SPECS: tuple[Spec, ...] = (
     Spec(Gauge, "batch_reward_std", "Reward standard deviation of the last step's samples"),
     Spec(Gauge, "batch_learning_rate", "Learning rate of the last step"),
     Spec(Gauge, "batch_entropy", "Mean token entropy of the last step"),
+    Spec(Gauge, "batch_figure", "The last step's TRL-named figures (perf/mfu_fwd_bwd, "
+         "perf/fwd_bwd_s, batch/*, sample/*, sampling/*; docs/metrics.md), by name",
+         ("metric",)),
     Spec(Histogram, "batch_staleness", "Versions between the weights a group was trained "
          "on and its oldest token, per trained group", buckets=VERSIONS),
     # eval_: evaluator
@@ -214,6 +217,8 @@ STEP_GAUGES = {"loss": "batch_loss", "grad_norm": "batch_grad_norm", "reward": "
                "reward_std": "batch_reward_std", "lr": "batch_learning_rate",
                "entropy": "batch_entropy"}
 """Trainer step row (metrics.jsonl) key → the gauge that shows its last value."""
+FIGURE_PREFIXES = ("perf/", "batch/", "sample/", "sampling/")
+"""Trainer step row keys shown on ``batch_figure{metric=<key>}`` (TRL's names)."""
 
 
 def build(registry: CollectorRegistry) -> dict[str, Any]:
@@ -383,6 +388,10 @@ class RoleMetrics:
             v = row.get(key)
             if isinstance(v, int | float) and math.isfinite(v):
                 self.set(name, float(v))
+        for key, v in row.items():
+            if key.startswith(FIGURE_PREFIXES) and isinstance(v, int | float) \
+                    and math.isfinite(v):
+                self.set("batch_figure", float(v), metric=key)
         for s in staleness:
             self.observe("batch_staleness", s)
         self.observe("perf_step_seconds", float(row["step_time_s"]))

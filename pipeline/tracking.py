@@ -69,12 +69,18 @@ TRL_NAMES: dict[str, str] = {
     "completions/clipped_ratio": "completions/clipped_ratio",
 }
 """sluice's ``metrics.jsonl`` key -> TRL 1.16 ``GRPOTrainer``'s logged name for the same
-quantity (``reward/<fn>`` -> ``rewards/<fn>/mean`` is the one pattern). Differences:
+quantity (``reward/<fn>`` -> ``rewards/<fn>/mean`` and ``reward/<fn>/<stat>`` ->
+``rewards/<fn>/<stat>`` are the patterns). Differences:
 sluice's ``reward_std`` is the population std over the step's samples (TRL: unbiased);
 ``is_ratio/*`` is exp(trainer old logp - behaviour logp), TRL's
 ``sampling/importance_sampling_ratio`` with the behaviour policy as the sampler; with
 loss_type ``cispo`` the capped fraction is ``clip_ratio/high_mean`` (TRL:
 ``cispo_clip_ratio``). Every other key is sluice's own and goes to ``sluice/<key>``."""
+
+TRL_PREFIXES = ("perf/", "batch/", "sample/", "sampling/")
+"""Keys the trainer already writes under TRL's names (MFU, forward/backward time, the
+forwarded layout, score centering's ``sampling/*``): logged as they are
+(docs/metrics.md)."""
 
 SLUICE_PREFIX = "sluice/"
 EVAL_PREFIX = "eval/"
@@ -98,8 +104,11 @@ def trainer_metrics(row: dict[str, Any]) -> dict[str, float]:
             continue
         if key in TRL_NAMES:
             name = TRL_NAMES[key]
+        elif key.startswith(TRL_PREFIXES):
+            name = key
         elif key.startswith("reward/"):
-            name = f"rewards/{key.removeprefix('reward/')}/mean"
+            part, _, stat = key.removeprefix("reward/").partition("/")
+            name = f"rewards/{part}/{stat or 'mean'}"
         else:
             name = SLUICE_PREFIX + key
         out[name] = v

@@ -9,6 +9,10 @@ Candidate sets (top-k / top-p samplers) become ``candidates [B, T, K]`` padded w
 a row whose engine reported none is all -1 (full-vocabulary logprobs) and is counted in
 ``candidates_missing`` so the trainer can say so.
 
+The sampler's top logprobs (score centering, `pipeline.rl.centering`) become
+``sampler_top_ids [B, T, k]`` (-1 = none) and ``sampler_top_logps [B, T, k]`` (-inf =
+none); a row whose engine reported none is all -1 / -inf and is not centred.
+
 A step's batch is split into micro-batches (`split_micro_batches`) by rows, under a token
 budget counted as the forward will see them (`Layout` in `trainer.packing`); rows of one
 group stay together so a packed forward can share their prompt. Every micro-batch is a
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.bus.schema import Rollout, ScoredGroup
+from pipeline.bus.schema import Rollout, ScoredGroup, TrainRollout
 
 
 @dataclass
@@ -39,6 +43,8 @@ class Batch:
     candidates: torch.Tensor | None = None  # int64 [B, T, K], -1 = padding / unknown
     candidates_missing: int = 0  # rows without candidate sets while others have them
     group: torch.Tensor | None = None  # int64 [B], index of the row's group in the step
+    sampler_top_ids: torch.Tensor | None = None  # int64 [B, T, k], -1 = none
+    sampler_top_logps: torch.Tensor | None = None  # float32 [B, T, k], -inf = none
 
     @property
     def num_tokens(self) -> int:
@@ -75,13 +81,16 @@ class Batch:
         if self.candidates is not None:
             cands = self.candidates[i, :comp]
             missing = int((cands < 0).all(dim=-1).all(dim=-1).sum())
+        top_ids = top_lps = None
+        if self.sampler_top_ids is not None and self.sampler_top_logps is not None:
+            top_ids, top_lps = self.sampler_top_ids[i, :comp], self.sampler_top_logps[i, :comp]
         return Batch(self.input_ids[i, :seq], self.attention_mask[i, :seq],
                      self.completion_start[i], self.completion_ids[i, :comp],
                      self.behaviour_logps[i, :comp], self.mask[i, :comp],
                      self.advantages[i] if self.advantages.dim() == 1
                      else self.advantages[i, :comp],
                      self.versions[i, :comp], cands, missing if cands is not None else 0,
-                     self.groups[i])
+                     self.groups[i], top_ids, top_lps)
 
 
 def build_batch(groups: list[ScoredGroup], pad_id: int) -> Batch:
@@ -119,10 +128,12 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> Batch:
         else:
             adv[i] = a
     cands, missing = _candidates([r for _, r, _ in rows], comp_len)
+    top_ids, top_lps = _sampler_top([r for _, r, _ in rows], comp_len)
     group = torch.tensor([g for g, sg in enumerate(groups) for _ in sg.group.rollouts])
     return Batch(*(torch.from_numpy(x) for x in (input_ids, attn, start, comp, blp, mask)),
                  advantages=torch.from_numpy(adv), versions=torch.from_numpy(ver),
-                 candidates=cands, candidates_missing=missing, group=group)
+                 candidates=cands, candidates_missing=missing, group=group,
+                 sampler_top_ids=top_ids, sampler_top_logps=top_lps)
 
 
 def split_micro_batches(batch: Batch, budget_tokens: int,
@@ -179,6 +190,24 @@ def _candidates(rollouts: list[Rollout], comp_len: int) -> tuple[torch.Tensor | 
         for t, s in enumerate(r.candidate_sets() or []):
             out[i, t, :len(s)] = s
     return torch.from_numpy(out), len(rollouts) - len(with_sets)
+
+
+def _sampler_top(rollouts: list[TrainRollout], comp_len: int
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(ids [B, T, k], logps [B, T, k])`` of the rollouts' sampler top logprobs (k = the
+    widest), -1 / -inf where a rollout has fewer or none; (None, None) if none has any."""
+    with_top = [r for r in rollouts if r.top_ids is not None]
+    if not with_top:
+        return None, None
+    k = max(r.top_ids.shape[1] for r in with_top)  # type: ignore[union-attr]
+    ids = np.full((len(rollouts), comp_len, k), -1, dtype=np.int64)
+    lps = np.full((len(rollouts), comp_len, k), -np.inf, dtype=np.float32)
+    for i, r in enumerate(rollouts):
+        if r.top_ids is not None and r.top_logprobs is not None:
+            t, kr = r.top_ids.shape
+            ids[i, :t, :kr] = r.top_ids
+            lps[i, :t, :kr] = np.where(r.top_ids >= 0, r.top_logprobs, -np.inf)
+    return torch.from_numpy(ids), torch.from_numpy(lps)
 
 
 def completion_logits(logits: torch.Tensor, batch: Batch) -> torch.Tensor:

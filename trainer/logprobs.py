@@ -34,7 +34,9 @@ from trainer.packing import Layout
 
 
 class CompletionLogprobs(nn.Module):
-    """``forward(layout, batch) -> (logps [B, T], entropy [B, T] | None)`` of a policy.
+    """``forward(layout, batch) -> (logps [B, T], entropy [B, T] | None, top [B, T, k] |
+    None)`` of a policy; ``top`` holds its logprobs at the sampler's top ids when the batch
+    carries them (score centering; 0 where an id is -1), computed from the same chunk.
 
     A module (not a function) so that a data-parallel wrapper (FSDP2's ``fully_shard``)
     can be applied to it as the root: its forward is the one call that runs the model.
@@ -55,8 +57,8 @@ class CompletionLogprobs(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.fp32_head = fp32_head
 
-    def forward(self, layout: Layout, batch: Batch,
-                with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, layout: Layout, batch: Batch, with_entropy: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         body, head = split_lm(self.policy)
         device = head.weight.device
         attn = attention_implementation(body)
@@ -74,18 +76,27 @@ class CompletionLogprobs(nn.Module):
         sel = batch.mask > 0
         h = hidden[layout.rows[sel].to(device), layout.cols[sel].to(device)]  # [N, H]
         ids = batch.completion_ids[sel].to(device)
+        top_ids = batch.sampler_top_ids
+        if top_ids is not None:  # [N, 1 + k]: the sampled id, then the sampler's top ids
+            ids = torch.cat([ids.unsqueeze(-1), top_ids[sel].to(device)], -1)
         cands = None if batch.candidates is None else batch.candidates[sel].to(device)
         logps, entropy_flat = chunked_head_logprobs(
             head, h, ids, chunk_tokens=self.chunk_tokens, temperature=self.temperature,
             candidates=cands, fp32_head=self.fp32_head, with_entropy=with_entropy)
         shape = batch.mask.shape
+        where = sel.to(device)
+        top = None
+        if top_ids is not None:
+            logps, top_flat = logps[:, 0], logps[:, 1:]
+            top = torch.zeros((*shape, top_ids.shape[-1]), dtype=torch.float32, device=device)
+            top = top.masked_scatter(where.unsqueeze(-1).expand_as(top), top_flat)
         out = torch.zeros(shape, dtype=torch.float32, device=device)
-        out = out.masked_scatter(sel.to(device), logps)
+        out = out.masked_scatter(where, logps)
         entropy = None
         if entropy_flat is not None:
             entropy = torch.zeros(shape, dtype=torch.float32, device=device)
-            entropy = entropy.masked_scatter(sel.to(device), entropy_flat)
-        return out, entropy
+            entropy = entropy.masked_scatter(where, entropy_flat)
+        return out, entropy, top
 
 
 def attention_implementation(body: nn.Module) -> str:

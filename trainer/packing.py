@@ -106,6 +106,30 @@ def shapes_cost(shapes: list[RowShape], kind: LayoutKind) -> int:
     return len(_first_fit(sizes, max(sizes))) * max(sizes)
 
 
+def layout_stats(batches: list[Batch], kind: LayoutKind) -> dict[str, float]:
+    """What one pass over ``batches`` (the step's micro-batches) forwards, under TRL's
+    names: ``batch/forwarded_tokens_per_step`` (positions computed, padding included),
+    ``batch/rows``, ``batch/row_tokens_mean`` (non-padding tokens per row; a shared
+    prompt counts once), ``batch/samples_per_row``, ``batch/row_fill_frac`` (non-padding
+    share of the positions) and ``sample/forwarded_tokens_mean`` (non-padding tokens
+    forwarded per sample)."""
+    rows = forwarded = real = samples = 0
+    for b in batches:
+        shapes = row_shapes(b)
+        units = [n for n, _, _ in shapes] if kind == "padded" else \
+            [size for size, _ in _units(shapes, kind == "shared")]
+        n_rows = len(shapes) if kind == "padded" else len(_first_fit(units, max(units)))
+        rows += n_rows
+        forwarded += shapes_cost(shapes, kind)
+        real += sum(units)
+        samples += len(shapes)
+    return {"batch/forwarded_tokens_per_step": float(forwarded), "batch/rows": float(rows),
+            "batch/row_tokens_mean": real / max(rows, 1),
+            "batch/samples_per_row": samples / max(rows, 1),
+            "batch/row_fill_frac": real / max(forwarded, 1),
+            "sample/forwarded_tokens_mean": real / max(samples, 1)}
+
+
 def make_layout(batch: Batch, kind: LayoutKind, pad_id: int) -> Layout:
     """``batch`` laid out as ``kind`` (module docstring); packed rows are filled with
     ``pad_id`` past their last unit."""

@@ -29,6 +29,7 @@ from transformers import get_scheduler
 
 from pipeline.attention import MASK_ATTENTIONS
 from pipeline.config import Config, ConfigError
+from pipeline.config.root import score_centering_on
 from pipeline.devices import resolve_device, torch_dtype
 from pipeline.model import is_peft, load_model, load_policy
 from pipeline.rl.logprobs import split_lm
@@ -112,7 +113,8 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
             beta=t.beta, kl_bias_correction=t.kl_bias_correction,
             max_completion_length=cfg.max_rollout_tokens,
             importance_sampling_level=t.importance_sampling_level,
-            decoupled_ppo=t.decoupled_ppo, geo_mask=t.geo_mask),
+            decoupled_ppo=t.decoupled_ppo, geo_mask=t.geo_mask,
+            score_centering=score_centering_on(cfg)),
         temperature=temperature, num_iterations=t.num_iterations,
         max_grad_norm=t.max_grad_norm, micro_batch_tokens=t.micro_batch_tokens,
         layout=layout_kind(cfg, model), chunk_tokens=t.logprob_chunk_tokens, pad_id=pad_id,

@@ -37,12 +37,13 @@ def rollout_stats(groups: list[ScoredGroup]) -> dict[str, float]:
 
 
 def reward_part_means(groups: list[ScoredGroup]) -> dict[str, float]:
-    """``reward/<part>``: each reward part's mean over the step's completions that have
-    it. The parts are the union over the step's groups (in first-seen order), because
-    groups scored under different ``scoring.rewards`` (a config change, scorers of two
-    versions) carry different keys: a part a group lacks is absent from that group's
-    share, not a crash after the step was published. NaN (a function's None) is left out
-    of a mean, and a part with no value in the whole step is left out of the result."""
+    """``reward/<part>`` and ``reward/<part>/{std,min,max}``: each reward part's mean
+    (population std, extremes) over the step's completions that have it. The parts are
+    the union over the step's groups (in first-seen order), because groups scored under
+    different ``scoring.rewards`` (a config change, scorers of two versions) carry
+    different keys: a part a group lacks is absent from that group's share, not a crash
+    after the step was published. NaN (a function's None) is left out of every figure,
+    and a part with no value in the whole step is left out of the result."""
     values: dict[str, list[np.ndarray]] = {}
     for g in groups:
         for k, v in g.reward_parts.items():
@@ -53,4 +54,7 @@ def reward_part_means(groups: list[ScoredGroup]) -> dict[str, float]:
         x = x[np.isfinite(x)]
         if len(x):
             out[f"reward/{k}"] = float(x.mean())
+            out[f"reward/{k}/std"] = float(x.std())
+            out[f"reward/{k}/min"] = float(x.min())
+            out[f"reward/{k}/max"] = float(x.max())
     return out

@@ -41,7 +41,7 @@ from pipeline.rl.logprobs import candidate_log_softmax, selective_log_softmax
 from pipeline.rl.losses import LossConfig, LossNorm, grpo_loss
 from trainer.batch import Batch, completion_logits, split_micro_batches
 from trainer.logprobs import CompletionLogprobs
-from trainer.packing import LayoutKind, make_layout, row_shapes, shapes_cost
+from trainer.packing import LayoutKind, layout_stats, make_layout, row_shapes, shapes_cost
 
 
 def token_logps(model: torch.nn.Module, batch: Batch,
@@ -142,10 +142,11 @@ def gradient_rows(batch: Batch, loss: LossConfig) -> torch.Tensor:
     return torch.nonzero(nonzero).flatten()
 
 
-def lean_logps(model: torch.nn.Module, mb: Batch, st: StepSettings,
-               with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(logps [B, T], entropy [B, T] | None)`` of a micro-batch through the memory-lean
-    path; ``model`` is a policy or its `CompletionLogprobs` wrapper (the FSDP root)."""
+def lean_logps(model: torch.nn.Module, mb: Batch, st: StepSettings, with_entropy: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(logps [B, T], entropy [B, T] | None, top [B, T, k] | None)`` of a micro-batch
+    through the memory-lean path (``top``: at the sampler's top ids, when carried);
+    ``model`` is a policy or its `CompletionLogprobs` wrapper (the FSDP root)."""
     fwd = model if isinstance(model, CompletionLogprobs) else CompletionLogprobs(
         model, st.temperature, st.chunk_tokens, st.fp32_head)
     layout = make_layout(mb, st.layout, st.pad_id)
@@ -159,11 +160,13 @@ def compute_loss(model: torch.nn.Module, batch: Batch, st: StepSettings,
                  with_entropy: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
     """Differentiable loss of ``model`` on (micro-)batch ``batch`` plus metrics (incl.
     entropy). ``norm`` is the whole step's normaliser; None = this batch's own."""
-    logps, ent = lean_logps(model, batch, st, with_entropy)
+    logps, ent, top = lean_logps(model, batch, st, with_entropy)
     dev = logps.device
     loss, metrics = grpo_loss(logps, _on(old_logps, dev), batch.behaviour_logps.to(dev),
                               batch.advantages.to(dev), batch.mask.to(dev), st.loss,
-                              ref_logps=_on(ref_logps, dev), norm=norm)
+                              ref_logps=_on(ref_logps, dev), norm=norm,
+                              policy_top_logps=top,
+                              sampler_top_logps=_on(batch.sampler_top_logps, dev))
     if ent is not None:
         m = batch.mask.to(dev)
         metrics["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
@@ -251,6 +254,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
     out["loss"], out["entropy"] = passes[0]["loss"], passes[0].get("entropy", math.nan)
     out["skipped"] = skipped
     out["micro_batches"] = float(sum(w > 0 for w in weights))
+    out.update(layout_stats([b for b, w in zip(step_batches, weights, strict=True) if w],
+                            settings.layout))
     return out
 
 

@@ -78,10 +78,11 @@ from trainer.distributed import (
 )
 from trainer.fenced import arm, lost
 from trainer.lock import TrainerLock, TrainerLockLost
+from trainer.perf import ModelShape, device_peak_flops, mfu_metrics, step_flops
 from trainer.reader import Reader, is_stale
 from trainer.setup import TrainSetup
 from trainer.stats import reward_part_means, rollout_stats, step_tokens
-from trainer.step import compute_loss, optimize
+from trainer.step import compute_loss, gradient_rows, optimize
 
 log = logging.getLogger("sluice.trainer")
 R = TypeVar("R")
@@ -109,6 +110,9 @@ class Trainer:
                                                   if cfg.archive.enabled else []),
             lengths=["scored", "dlq"], window=self.train_cfg.window)
         self.model, self.tokenizer = self.setup.model, self.setup.tokenizer
+        self.shape = ModelShape.of(self.model)  # model FLOPs (trainer/perf.py)
+        self.peak_flops = device_peak_flops(self.setup.device, cfg.model.dtype,
+                                            cfg.trainer.peak_tflops)
         self.optimizer, self.pad_id = self.setup.optimizer, self.setup.pad_id
         self.step_settings = self.setup.settings
         gen = cfg.generation
@@ -175,9 +179,15 @@ class Trainer:
                 f"old (max_staleness {self.train_cfg.max_staleness}) in the batch of version "
                 f"{self.state.version}")
         missing = self.candidates_missing(batch)
+        forwarded = batch.seq_lens[gradient_rows(batch, self.step_settings.loss)]
+        started = time.perf_counter()
         metrics = optimize(self.setup.fwd, self.optimizer, batch, self.step_settings,
                            self.setup.ref, data_parallel=self.ranks.data_parallel(),
                            scaler=self.setup.scaler)
+        metrics["perf/fwd_bwd_s"] = time.perf_counter() - started
+        metrics["perf/step_flops"] = step_flops(
+            self.shape, forwarded, passes=self.step_settings.num_iterations,
+            reference=self.step_settings.loss.beta > 0)
         if not metrics["skipped"]:
             self.setup.scheduler.step()
         m = batch.mask
@@ -437,6 +447,8 @@ class Trainer:
             "num_tokens": self.state.tokens_seen, "memory/peak_rss_mb": peak_rss_mb(),
             **rollout_stats(groups),
             **reward_part_means(groups),  # the union of the groups' parts
+            **mfu_metrics(metrics["perf/step_flops"], metrics["perf/fwd_bwd_s"], now - t0,
+                          self.peak_flops),
             **metrics}
         self.last = {k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}
         self.log_metrics(row)

@@ -51,6 +51,8 @@ class Episode:
     turns: int = 1
     candidate_ids: np.ndarray | None = None
     candidate_counts: np.ndarray | None = None
+    top_ids: np.ndarray | None = None  # int32 [T, k], -1 = none (inserted context)
+    top_logprobs: np.ndarray | None = None  # float32 [T, k]
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -65,6 +67,7 @@ class Episode:
             finish_reason=self.finish_reason,
             text=str(tokenizer.decode(self.token_ids, skip_special_tokens=True)),
             candidate_ids=self.candidate_ids, candidate_counts=self.candidate_counts,
+            top_ids=self.top_ids, top_logprobs=self.top_logprobs,
             messages=self.messages, env_reward=self.env_reward)
 
     @classmethod
@@ -73,7 +76,8 @@ class Episode:
         return cls(c.token_ids.astype(np.int32), c.logprobs.astype(np.float32),
                    c.versions.astype(np.int32), np.ones(len(c), dtype=np.uint8),
                    c.finish_reason, candidate_ids=c.candidate_ids,
-                   candidate_counts=c.candidate_counts)
+                   candidate_counts=c.candidate_counts, top_ids=c.top_ids,
+                   top_logprobs=c.top_logprobs)
 
 
 @dataclass
@@ -85,6 +89,7 @@ class EpisodeBuilder:
     _lps: list[np.ndarray] = field(default_factory=list)
     _vers: list[np.ndarray | None] = field(default_factory=list)
     _cands: list[tuple[np.ndarray, np.ndarray] | None] = field(default_factory=list)
+    _tops: list[tuple[np.ndarray, np.ndarray] | None] = field(default_factory=list)
     _model_turns: int = 0
     _len: int = 0
 
@@ -106,6 +111,9 @@ class EpisodeBuilder:
                                 np.asarray(c.candidate_counts, np.int32)))
         else:
             self._cands.append(None)
+        self._tops.append(None if c.top_ids is None or c.top_logprobs is None else
+                          (np.asarray(c.top_ids, np.int32),
+                           np.asarray(c.top_logprobs, np.float32)))
         self._model_turns += 1
         self._len += n
 
@@ -118,6 +126,7 @@ class EpisodeBuilder:
         self._lps.append(np.zeros(len(a), np.float32))
         self._vers.append(None)
         self._cands.append(None)
+        self._tops.append(None)
         self._len += len(a)
 
     def finish(self, finish_reason: str, *, messages: Messages | None = None,
@@ -143,11 +152,28 @@ class EpisodeBuilder:
             cand_ids = _cat([c[0] for c in self._cands if c is not None], np.int32)
             cand_counts = _cat([c[1] if c is not None else np.zeros(len(ids), np.int32)
                                for ids, c in zip(self._ids, self._cands, strict=True)], np.int32)
+        top_ids, top_lps = self._top_arrays()
         return Episode(_cat(self._ids, np.int32), _cat(self._lps, np.float32),
                        _cat(vers, np.int32), _cat(mask, np.uint8), finish_reason,
                        messages=messages, env_reward=env_reward,
                        turns=max(self._model_turns, 1), candidate_ids=cand_ids,
-                       candidate_counts=cand_counts)
+                       candidate_counts=cand_counts, top_ids=top_ids, top_logprobs=top_lps)
+
+    def _top_arrays(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The segments' sampler top logprobs as ``[T, k]``: -1 ids (no entry) at inserted
+        context and at model turns whose engine reported none; None if none did."""
+        k = max((t[0].shape[1] for t in self._tops if t is not None), default=0)
+        if not k:
+            return None, None
+        ids, lps = [], []
+        for seg, t in zip(self._ids, self._tops, strict=True):
+            i = np.full((len(seg), k), -1, np.int32)
+            lp = np.zeros((len(seg), k), np.float32)
+            if t is not None:
+                i[:, :t[0].shape[1]], lp[:, :t[1].shape[1]] = t
+            ids.append(i)
+            lps.append(lp)
+        return np.concatenate(ids), np.concatenate(lps)
 
 
 class TurnBatcher:

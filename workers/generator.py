@@ -87,7 +87,8 @@ class Generator:
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
         self.params = SamplingParams(
             max_new_tokens=cfg.generation.max_new_tokens, temperature=cfg.generation.temperature,
-            top_k=cfg.generation.top_k, top_p=cfg.generation.top_p)
+            top_k=cfg.generation.top_k, top_p=cfg.generation.top_p,
+            top_logprobs=cfg.generation.num_sampler_logprobs)
         self.rollout = load_rollout(cfg)  # None: single completions
         self.filter = load_filter(cfg)
         self.limits = limits(cfg)  # the scorer's decode limits: same function, same config

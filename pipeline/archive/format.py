@@ -5,9 +5,9 @@ Invariants:
 - ``scored_group(table_of([row_of(sg, ...)]).to_pylist()[0]) == sg`` field for field:
   every array keeps its dtype (token ids and versions int32, logprobs, rewards and
   advantages float32, mask uint8), floats are stored as they are (never through text),
-  candidate sets and per-token advantages survive, and the reward functions keep their
-  order. So a replay trains on
-  the very bytes the original trainer trained on.
+  candidate sets, the sampler's top logprobs and per-token advantages survive, and the
+  reward functions keep their order. So a replay trains on the very bytes the original
+  trainer trained on.
 - What a `scored` entry does not carry (docs/wire-format.md) is rebuilt, never guessed:
   the prompt dict is the task's row ``prompt_index`` (tasks are pure functions of the
   config, `workers.tasks.catalog`), and each completion's text is
@@ -44,6 +44,9 @@ SCHEMA = pa.schema([
     ("clipped", pa.list_(pa.bool_())),
     ("candidate_ids", pa.list_(pa.list_(_I32))),  # null rows: no candidate sets recorded
     ("candidate_counts", pa.list_(pa.list_(_I32))),
+    ("top_k", pa.int32()),  # null: no top logprobs (generation.num_sampler_logprobs = 0)
+    ("top_ids", pa.list_(pa.list_(_I32))),  # per completion its [T, top_k], row-major
+    ("top_logprobs", pa.list_(pa.list_(_F32))),
     ("rewards", pa.list_(_F32)),
     ("reward_parts", pa.list_(pa.struct([("name", pa.string()), ("values", pa.list_(_F32))]))),
     ("advantages", pa.list_(_F32)),
@@ -107,6 +110,7 @@ def table_of(items: list[Item]) -> pa.Table:
             [r.candidate_ids for r in x] for x in ros]
     ncand = [None if c is None else [r.candidate_counts for r in x] for c, x in zip(cand, ros,
                                                                               strict=True)]
+    tops = [None if any(r.top_ids is None for r in x) else x for x in ros]
     spans = [[int(f(r.versions)) for r in x if len(r.versions)] for x in ros
              for f in (np.min, np.max)]
     cols: dict[str, pa.Array] = {
@@ -125,6 +129,12 @@ def table_of(items: list[Item]) -> pa.Table:
         "clipped": pa.array([[bool(r.clipped) for r in x] for x in ros], pa.list_(pa.bool_())),
         "candidate_ids": _nested(cand, np.int32),
         "candidate_counts": _nested(ncand, np.int32),
+        "top_k": pa.array([None if t is None or not t else int(t[0].top_ids.shape[1])
+                           for t in tops], pa.int32()),
+        "top_ids": _nested([None if t is None else [r.top_ids.ravel() for r in t]
+                            for t in tops], np.int32),
+        "top_logprobs": _nested([None if t is None else [r.top_logprobs.ravel() for r in t]
+                                 for t in tops], np.float32),
         "rewards": _lists([g.rewards for g in gs], np.float32),
         "reward_parts": pa.array([[{"name": k, "values": v.astype(np.float32)}
                                    for k, v in g.reward_parts.items()] for g in gs],
@@ -177,6 +187,7 @@ def scored_group(row: dict[str, Any]) -> ScoredGroup:
     """The `ScoredGroup` a row was made of (the inverse of `row_of`)."""
     n = len(row["completion_ids"])
     cand, ncand = row.get("candidate_ids"), row.get("candidate_counts")
+    k, top, toplp = row.get("top_k"), row.get("top_ids"), row.get("top_logprobs")
     ros = [TrainRollout(
         completion_ids=_arr(row["completion_ids"][i], np.int32),
         logprobs=_arr(row["logprobs"][i], np.float32),
@@ -185,7 +196,10 @@ def scored_group(row: dict[str, Any]) -> ScoredGroup:
         clipped=bool(row["clipped"][i]),
         candidate_ids=None if cand is None or cand[i] is None else _arr(cand[i], np.int32),
         candidate_counts=None if ncand is None or ncand[i] is None
-        else _arr(ncand[i], np.int32)) for i in range(n)]
+        else _arr(ncand[i], np.int32),
+        top_ids=None if k is None else _arr(top[i], np.int32).reshape(-1, k),
+        top_logprobs=None if k is None else _arr(toplp[i], np.float32).reshape(-1, k))
+        for i in range(n)]
     tadv = row.get("token_advantages")
     return ScoredGroup(
         group=TrainGroup(row["gid"], _arr(row["prompt_ids"], np.int32), ros),

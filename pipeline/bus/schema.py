@@ -57,6 +57,11 @@ class Rollout(_Tokens):
     position: token ``t``'s set is the next ``candidate_counts[t]`` entries of
     ``candidate_ids`` (0 = unknown at that position). The trainer renormalises its
     logprobs over the same set so the importance ratio compares like with like.
+
+    ``top_ids``/``top_logprobs`` (both or neither), when the generator asked its engine for
+    them (``generation.num_sampler_logprobs``), are the sampler's ``k`` most likely tokens
+    at each position and their logprobs under the distribution it drew from: what score
+    centering (`pipeline.rl.centering`) estimates the sampler's expected score from.
     """
 
     completion_ids: np.ndarray  # int32 [T]
@@ -67,6 +72,8 @@ class Rollout(_Tokens):
     text: str
     candidate_ids: np.ndarray | None = None  # int32 [sum(candidate_counts)]
     candidate_counts: np.ndarray | None = None  # int32 [T]
+    top_ids: np.ndarray | None = None  # int32 [T, k], the sampler's top ids, -1 = none
+    top_logprobs: np.ndarray | None = None  # float32 [T, k], their sampler logprobs
     messages: list[dict[str, PromptValue]] | None = None  # a multi-turn episode's turns
     env_reward: dict[str, float] | None = None  # environment reward parts, summed per part
 
@@ -75,7 +82,8 @@ class Rollout(_Tokens):
         return TrainRollout(self.completion_ids, self.logprobs, self.versions, self.mask,
                             clipped=self.finish_reason == "length",
                             candidate_ids=self.candidate_ids,
-                            candidate_counts=self.candidate_counts)
+                            candidate_counts=self.candidate_counts,
+                            top_ids=self.top_ids, top_logprobs=self.top_logprobs)
 
 
 @dataclass
@@ -93,6 +101,8 @@ class TrainRollout(_Tokens):
     clipped: bool  # hit max_new_tokens (finish_reason "length")
     candidate_ids: np.ndarray | None = None  # int32 [sum(candidate_counts)]
     candidate_counts: np.ndarray | None = None  # int32 [T]
+    top_ids: np.ndarray | None = None  # int32 [T, k], -1 = none
+    top_logprobs: np.ndarray | None = None  # float32 [T, k]
 
 
 def group_min_version(rollouts: list[Rollout] | list[TrainRollout]) -> int:

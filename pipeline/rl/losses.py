@@ -62,6 +62,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from pipeline.rl.centering import centering_term, sampler_mass
 from pipeline.rl.loss_metrics import behaviour_ratio_stats, clip_fractions, masked_mean
 from pipeline.rl.offpolicy import (
     cispo_per_token,
@@ -112,6 +113,9 @@ class LossConfig:
     behaviour policy (AReaL); False: ratio against the behaviour policy, no IS weight."""
     geo_mask: tuple[float, float] | None = None
     """Drop sequences whose geometric-mean ``π_old / π_behaviour`` is outside [lo, hi]."""
+    score_centering: bool = False
+    """Subtract the sampler-expected score at every trained token (`pipeline.rl.centering`),
+    estimated from the sampler's top logprobs when the batch carries them."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in _LOSS_TYPES:
@@ -134,6 +138,12 @@ class LossConfig:
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError("importance_sampling_level must be 'token' or 'sequence', got "
                              f"{self.importance_sampling_level!r}")
+        if self.score_centering and (self.importance_sampling_level != "token"
+                                     or not self.decoupled_ppo or self.loss_type == "cispo"
+                                     or self.is_mode.startswith("sequence")):
+            raise ValueError("score_centering needs token-level importance weights: "
+                             "importance_sampling_level 'token', decoupled_ppo, a token is_mode "
+                             "(token_truncate, token_mask, none) and a loss_type other than cispo")
         if self.geo_mask is not None:
             lo, hi = self.geo_mask
             if not 0.0 <= lo <= 1.0 <= hi:
@@ -300,6 +310,23 @@ def _behaviour_corrected(
     return per_token
 
 
+def _centering_per_token(
+    policy_top_lp: Tensor, sampler_top_lp: Tensor, old_lp: Tensor, behaviour_lp: Tensor,
+    m: Tensor, adv: Tensor, cfg: LossConfig
+) -> tuple[Tensor, Tensor]:
+    """(``A · C`` per token ``[B, T]``, the sampler's top mass ``[B, T]``): the score
+    centering term (`pipeline.rl.centering`) at mask-1 tokens whose sampler reported top
+    logprobs (``sampler_top_lp`` finite), 0 elsewhere; the ``geo_mask`` drops it with its
+    sequence's loss."""
+    valid = torch.isfinite(sampler_top_lp) & m.unsqueeze(-1)
+    top = torch.where(valid, policy_top_lp.to(old_lp.dtype), 0.0)
+    term = adv * centering_term(top, torch.where(valid, sampler_top_lp.to(old_lp.dtype), 0.0),
+                                valid, cfg.is_mode, cfg.is_clip_min, cfg.is_clip_max)
+    if cfg.geo_mask is not None:
+        term = term * geometric_mean_mask(old_lp, behaviour_lp, m, *cfg.geo_mask)
+    return term, sampler_mass(sampler_top_lp, valid)
+
+
 def _k3_kl_per_token(policy_lp: Tensor, ref_lp: Tensor) -> Tensor:
     """Schulman's k3 estimate of KL(pi_theta || pi_ref) per token (nats, >= 0), with
     ``ref_lp`` the frozen KL reference model's logprobs:
@@ -353,8 +380,18 @@ def grpo_loss(
     ref_logps: Tensor | None = None,
     num_items_in_batch: float | None = None,
     norm: LossNorm | None = None,
+    policy_top_logps: Tensor | None = None,
+    sampler_top_logps: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Scalar loss (differentiable in ``logps`` only) and float metrics.
+    """Scalar loss (differentiable in ``logps`` and ``policy_top_logps``) and float metrics.
+
+    With ``cfg.score_centering`` and the sampler's top logprobs ``sampler_top_logps``
+    ``[B, T, k]`` (-inf = no entry) beside the policy's at the same ids
+    ``policy_top_logps`` (with gradient), each trained token gains ``A · C``
+    (`pipeline.rl.centering`); the metrics then add ``sampling/sampler_mass`` (mean top-k
+    mass of the sampler), ``sampling/masked_mean`` (share of tokens whose importance ratio
+    the bounds truncate or mask, TRL's name) and ``sampling/centered_frac`` (share of
+    trained tokens that had top logprobs).
 
     Shapes: ``logps``/``old_logps``/``behaviour_logps``/``ref_logps``/``mask`` ``[B, T]``,
     ``advantages`` ``[B]`` (one per row) or ``[B, T]`` (per token: on-policy distillation,
@@ -379,6 +416,16 @@ def grpo_loss(
     ratio = torch.exp(_policy_log_ratio(policy_lp, old_lp, behaviour_lp, m, cfg))  # coef_1
     per_token = _surrogate_per_token(policy_lp, ratio, adv, cfg)
     per_token = _behaviour_corrected(per_token, old_lp, behaviour_lp, m, cfg)
+    centering = None
+    if cfg.score_centering and sampler_top_logps is not None:
+        if policy_top_logps is None or policy_top_logps.shape != sampler_top_logps.shape \
+                or sampler_top_logps.shape[:2] != logps.shape:
+            raise ValueError("score centering needs policy_top_logps and sampler_top_logps "
+                             "of one shape [B, T, k]")
+        term, mass = _centering_per_token(policy_top_logps, sampler_top_logps, old_lp,
+                                          behaviour_lp, m, adv, cfg)
+        per_token = per_token + term
+        centering = (mass, torch.isfinite(sampler_top_logps).any(-1) & m)
     per_token_kl = None
     if cfg.beta > 0:
         assert ref_logps is not None
@@ -394,4 +441,11 @@ def grpo_loss(
                                 clip_min=cfg.is_clip_min, clip_max=cfg.is_clip_max),
         "kl": 0.0 if per_token_kl is None else masked_mean(per_token_kl, mf, batch_tokens),
     }
+    if centering is not None:
+        mass, centred = centering
+        n_centred = centred.sum().clamp(min=1)
+        metrics["sampling/sampler_mass"] = float(torch.where(centred, mass, 0.0).sum()
+                                                 / n_centred)
+        metrics["sampling/centered_frac"] = masked_mean(centred, mf, batch_tokens)
+        metrics["sampling/masked_mean"] = metrics["is_ratio/outside_frac"]
     return loss, metrics

@@ -87,6 +87,10 @@ def test_trainer_drops_stale_dedups_trains_acks_publishes_and_resumes(
     metrics = [json.loads(x) for x in (cfg.output_path / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 1 and metrics[0]["groups"] == 2 and metrics[0]["dropped_stale"] == 1
     assert metrics[0]["staleness_max"] <= 1
+    m = metrics[0]  # TRL's step figures (docs/metrics.md); no MFU: a CPU has no known peak
+    assert m["perf/fwd_bwd_s"] > 0 and m["perf/step_flops"] > 0
+    assert m["batch/rows"] >= 1 and 0 < m["batch/row_fill_frac"] <= 1
+    assert "perf/mfu_fwd_bwd" not in m
     assert (cfg.output_path / "checkpoints" / "step-00000001" / "meta.json").exists()
 
     # resume: a second trainer continues from the checkpoint at a newer version

@@ -24,12 +24,20 @@ from tests.helpers import make_group
 
 def scored(gid: str, seed: int = 0) -> ScoredGroup:
     """A scored group with every optional part: candidate sets on one completion,
-    per-token advantages, a reward function that gave None (NaN)."""
+    per-token advantages, a reward function that gave None (NaN), and for odd seeds the
+    sampler's top logprobs."""
     rng = np.random.default_rng(seed)
     g = make_group(gid).for_training()
     r = g.rollouts[1]
     r.candidate_counts = np.array([2] + [0] * (len(r.completion_ids) - 1), np.int32)
     r.candidate_ids = np.array([5, 9], np.int32)
+    if seed % 2:  # the sampler's top 3 on every completion, with a token top-k cut short
+        for x in g.rollouts:
+            t = len(x.completion_ids)
+            x.top_ids = rng.integers(0, 70, (t, 3)).astype(np.int32)
+            x.top_logprobs = -rng.random((t, 3)).astype(np.float32)
+            if t:
+                x.top_ids[0, 2], x.top_logprobs[0, 2] = -1, -np.inf
     n = len(g.rollouts)
     return ScoredGroup(
         g, rng.random(n).astype(np.float32),

@@ -130,7 +130,7 @@ def _model(model_dir: Path, attn: str) -> torch.nn.Module:
 
 def _logps(model: torch.nn.Module, batch: Batch, kind: str) -> torch.Tensor:
     fwd = CompletionLogprobs(model, TEMPERATURE, chunk_tokens=7)
-    logps, _ = fwd(make_layout(batch, kind, pad_id=0), batch)  # type: ignore[arg-type]
+    logps = fwd(make_layout(batch, kind, pad_id=0), batch)[0]  # type: ignore[arg-type]
     return logps
 
 

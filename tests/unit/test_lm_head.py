@@ -15,7 +15,7 @@ from trainer.packing import make_layout
 def _logps(fwd: CompletionLogprobs, autocast: bool) -> torch.Tensor:
     batch = one_batch(tiny_config().vocab_size)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        lp, _ = fwd(make_layout(batch, "padded", 0), batch)
+        lp = fwd(make_layout(batch, "padded", 0), batch)[0]
     return lp[batch.mask > 0]
 
 

@@ -456,7 +456,7 @@ def test_entropy_and_logprobs_are_over_mask_1_tokens(models: tuple[Path, Path]) 
     batch = episode_batch()
     model = fresh(models[0])
     with torch.no_grad():
-        lp, ent = lean_logps(model, batch, st, with_entropy=True)
+        lp, ent, _ = lean_logps(model, batch, st, with_entropy=True)
         ref_lp, comp = token_logps(model, batch, st.temperature)
         ref_ent = entropy_from_logits(comp / st.temperature)
         full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits

@@ -73,7 +73,7 @@ def test_lean_logps_equal_the_full_logits_path_in_every_layout(model_dir: Path,
     with torch.no_grad():
         want, _ = token_logps(model, batch, 0.9)
         for layout in LAYOUTS:
-            got, ent = lean_logps(model, batch, _settings(layout=layout, chunk_tokens=7),
+            got, ent, _ = lean_logps(model, batch, _settings(layout=layout, chunk_tokens=7),
                                   with_entropy=True)
             m = batch.mask > 0
             torch.testing.assert_close(got[m], want[m], atol=1e-5, rtol=0, msg=layout)

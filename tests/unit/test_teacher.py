@@ -76,7 +76,7 @@ def test_local_teacher_logprobs_equal_the_trainers(tiny_model_dir: Path) -> None
     got = LocalTeacher(model, head_chunk=3).forward(ROWS)
     batch = _trainer_batch(ROWS)
     with torch.no_grad():
-        want, _ = CompletionLogprobs(model, 1.0, chunk_tokens=2)(
+        want, _, _ = CompletionLogprobs(model, 1.0, chunk_tokens=2)(
             make_layout(batch, "padded", 0), batch)
     for r, ((_, c, m), lp) in enumerate(zip(ROWS, got, strict=True)):
         np.testing.assert_allclose(lp[m > 0], want[r, :len(c)].numpy()[m > 0], rtol=0,

@@ -39,13 +39,18 @@ ROW: dict[str, Any] = {
     "clip_ratio/region_mean": 0.03, "is_ratio/min": 0.9, "is_ratio/mean": 1.0,
     "is_ratio/max": 1.1, "logprob_diff/mean_abs": 0.05, "kl": 0.0, "entropy": 2.0,
     "loss": -0.1, "grad_norm": 0.7, "skipped": 0.0, "micro_batches": 1.0, "filtered": 3,
-    "note": "not a number"}
+    "reward/copy_reward/std": 0.25, "perf/mfu_fwd_bwd": 0.4, "perf/fwd_bwd_s": 1.5,
+    "batch/row_fill_frac": 0.9, "sample/forwarded_tokens_mean": 30.0,
+    "sampling/sampler_mass": 0.95, "note": "not a number"}
 
 
 def test_trainer_metrics_use_trl_names_and_put_the_rest_under_sluice() -> None:
     m = trainer_metrics(ROW)
     assert m["learning_rate"] == 1e-4 and m["grad_norm"] == 0.7 and m["loss"] == -0.1
-    assert m["rewards/copy_reward/mean"] == 0.75
+    assert m["rewards/copy_reward/mean"] == 0.75 and m["rewards/copy_reward/std"] == 0.25
+    assert m["perf/mfu_fwd_bwd"] == 0.4 and m["perf/fwd_bwd_s"] == 1.5  # TRL's own names
+    assert m["batch/row_fill_frac"] == 0.9 and m["sample/forwarded_tokens_mean"] == 30.0
+    assert m["sampling/sampler_mass"] == 0.95
     assert m["sampling/importance_sampling_ratio/mean"] == 1.0
     assert m["sampling/sampling_logp_difference/mean"] == 0.05
     assert m["clip_ratio/region_mean"] == 0.03 and m["num_tokens"] == 1234

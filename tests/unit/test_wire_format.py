@@ -63,6 +63,9 @@ def test_a_scored_entry_decodes_with_msgpack_and_numpy_alone(tmp_path: Path) -> 
     g.rollouts[1].finish_reason = "length"
     g.rollouts[0].candidate_ids = np.array([5, 6, 7, 1], dtype=np.int32)
     g.rollouts[0].candidate_counts = np.array([1, 1, 1, 1], dtype=np.int32)
+    g.rollouts[1].top_ids = np.array([[5, 6], [7, -1], [1, 2]], dtype=np.int32)
+    g.rollouts[1].top_logprobs = np.array([[-0.25, -2.0], [-0.5, 0.0], [-1.0, -1.5]],
+                                          dtype=np.float32)
     sg = ScoredGroup(group=g.for_training(), rewards=np.array([1.0, 0.5], np.float32),
                      reward_parts={"copy_reward": np.array([1.0, 0.5], np.float32),
                                    "judge": np.array([np.nan, 0.25], np.float32)},
@@ -87,6 +90,8 @@ def test_a_scored_entry_decodes_with_msgpack_and_numpy_alone(tmp_path: Path) -> 
     assert {f"ro[].{k}" for r in m["ro"] for k in r} == {k for k in on_scored
                                                          if k.startswith("ro[].")}
     assert m["ro"][0]["cand"] == [5, 6, 7, 1] and m["ro"][0]["ncand"] == [1, 1, 1, 1]
+    assert m["ro"][1]["topk"] == 2 and m["ro"][1]["top"] == [5, 6, 7, -1, 1, 2]
+    assert m["ro"][1]["toplp"] == [-0.25, -2.0, -0.5, 0.0, -1.0, -1.5]  # exact in float16
     assert np.allclose(m["rew"], [1.0, 0.5]) and np.allclose(m["adv"], [0.7, -0.7])
     assert m["tadv"] == [[0.5, 1.0, 0.25, 0.0], [-1.0, 0.5, 0.0]]
     assert m["parts"]["copy_reward"] == [1.0, 0.5] and m["parts"]["judge"][0] is None

@@ -128,3 +128,36 @@ def test_sampled_logprobs_are_the_processed_distribution(
 def test_health_reports_healthy(kind: str, vllm_server: VLLMServer) -> None:
     h = run(kind, vllm_server, lambda e: asyncio.sleep(0, e.health()))
     assert h["healthy"] is True
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+@pytest.mark.parametrize(("top_k", "k"), [(0, 5), (3, 4)])
+def test_top_logprobs_are_the_processed_distributions_best(
+        kind: str, top_k: int, k: int, vllm_server: VLLMServer) -> None:
+    """`top_logprobs` = k: every token reports the k best ids of the distribution it was
+    drawn from (temperature 0.7, top-k when set) with their logprobs, best first; the
+    tokens top-k removed are absent (-1), and the candidate sets are the finite ones."""
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, top_k=top_k, top_logprobs=k)
+    groups = run(kind, vllm_server, lambda e: e.generate(PROMPTS, 2, params))
+    model, _ = load_model(vllm_server.model_dir)
+    for prompt, g in zip(PROMPTS, groups, strict=True):
+        for c in g:
+            assert c.top_ids is not None and c.top_logprobs is not None
+            assert c.top_ids.shape == c.top_logprobs.shape == (len(c), k)
+            x = torch.tensor([prompt + c.token_ids.tolist()])
+            with torch.no_grad():
+                logits = model(x).logits[0, len(prompt) - 1:-1].float() / 0.7
+            if top_k:
+                kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            ref = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
+            finite = torch.isfinite(ref.values).numpy()
+            assert ((c.top_ids >= 0) == finite).all()
+            np.testing.assert_array_equal(c.top_ids[finite], ref.indices.numpy()[finite])
+            np.testing.assert_allclose(c.top_logprobs[finite], ref.values.numpy()[finite],
+                                       atol=1e-4)
+            if top_k:
+                assert c.candidate_counts is not None and c.candidate_ids is not None
+                assert (c.candidate_counts == top_k).all()
+                assert sorted(c.candidate_ids[:top_k].tolist()) == sorted(
+                    c.top_ids[0, :top_k].tolist())

@@ -10,12 +10,13 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import pytest
 import torch
 
 from pipeline.model import load_model
 from tests.helpers import wait_for_async
 from tests.vllm.conftest import VLLMServer
-from workers.engines import SamplingParams
+from workers.engines import EngineError, SamplingParams
 from workers.engines.vllm import VLLMEngine
 
 PROMPTS = [[10, 11, 12, 13, 66], [20, 21, 22, 66]]
@@ -197,3 +198,23 @@ def test_completions_fallback_gives_the_same_tokens_logprobs_and_versions(
     token ids and processed logprobs as on the generate route, every token labelled with
     the version the server held when the request was sent."""
     _sample_checked(vllm_server, 3, completions_api=True)
+
+
+def test_top_logprobs_the_server_cannot_give_are_refused_naming_the_fix(
+        vllm_server: VLLMServer) -> None:
+    """k + 1 above the server's --max-logprobs (20 by default) fails at start; on
+    /v1/completions a server without --return-tokens-as-token-ids names its top tokens by
+    text, which cannot be mapped back to ids: the request fails naming the flag."""
+    with pytest.raises(EngineError, match="--max-logprobs >= 26"):
+        run(_engine(vllm_server, top_logprobs=25))
+
+    async def over_completions() -> None:
+        e = await _engine(vllm_server)
+        e.servers[0].completions_api = True
+        try:
+            await e.generate(PROMPTS[:1], 1, SamplingParams(4, top_logprobs=2))
+        finally:
+            await e.close()
+
+    with pytest.raises(EngineError, match="--return-tokens-as-token-ids"):
+        run(over_completions())

@@ -33,6 +33,9 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
+    top_logprobs: int = 0
+    """Report the k most likely tokens of the processed distribution at every generated
+    token, with their logprobs (score centering); 0 = none. Greedy decoding reports none."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -43,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_logprobs <= 64:
+            raise ValueError(f"top_logprobs must be in [0, 64], got {self.top_logprobs}")
 
     @property
     def truncates(self) -> bool:
@@ -63,6 +68,9 @@ class Completion:
     candidate_ids / candidate_counts: when top-k / top-p truncated the distribution, the
         ids each token could have been drawn from (flat int32, and int32 [T] set sizes);
         None when nothing was truncated or the engine cannot tell.
+    top_ids / top_logprobs: with ``SamplingParams.top_logprobs`` = k, the k most likely
+        ids of each token's processed distribution (int32 [T, k], -1 = none) and their
+        logprobs there (float32 [T, k]); None otherwise.
     """
 
     token_ids: np.ndarray
@@ -71,6 +79,8 @@ class Completion:
     finish_reason: str
     candidate_ids: np.ndarray | None = None
     candidate_counts: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])

@@ -281,6 +281,8 @@ class TransformersEngine:
         step_logprobs: list[torch.Tensor] = []
         step_versions: list[int] = []
         step_cands: list[torch.Tensor] = []  # bool [B, V] per step, only if truncating
+        step_top: list[tuple[torch.Tensor, torch.Tensor]] = []  # ([B, k], [B, k]) per step
+        k_top = 0 if params.greedy else min(params.top_logprobs, int(logits.shape[-1]))
         alive_before: list[torch.Tensor] = []
         next_pos = lens.clone()
         for step in range(params.max_new_tokens):
@@ -291,6 +293,10 @@ class TransformersEngine:
                 tok = tok.masked_fill(finished, self.pad_id)
             if params.truncates:
                 step_cands.append(torch.isfinite(lp))
+            if k_top:
+                with torch.inference_mode():
+                    top = torch.topk(lp, k_top, dim=-1)
+                step_top.append((top.indices, top.values))
             alive_before.append(~finished)
             step_tokens.append(tok)
             step_logprobs.append(tok_lp)
@@ -307,7 +313,7 @@ class TransformersEngine:
             next_pos = next_pos + 1
         return self._pack(
             prompts, n, step_tokens, step_logprobs, step_versions, alive_before, finished,
-            step_cands,
+            step_cands, step_top,
         )
 
     def _pack(
@@ -320,8 +326,10 @@ class TransformersEngine:
         alive_before: list[torch.Tensor],
         finished: torch.Tensor,
         step_cands: list[torch.Tensor] | None = None,
+        step_top: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> list[list[Completion]]:
-        """Trim each row at its eos: a row's length is the number of steps it was alive."""
+        """Trim each row at its eos: a row's length is the number of steps it was alive.
+        A top-k entry outside a truncated distribution (``-inf``) is reported as id -1."""
         bsz = len(prompts) * n
         if step_tokens:
             toks = torch.stack(step_tokens, 1).cpu().numpy().astype(np.int32)
@@ -335,6 +343,12 @@ class TransformersEngine:
         vers = np.asarray(step_versions, dtype=np.int32)
         fin = finished.cpu().numpy()
         cands = torch.stack(step_cands, 1).cpu().numpy() if step_cands else None  # [B, S, V]
+        top_ids = top_lps = None
+        if step_top:  # [B, S, k]
+            top_lps = torch.stack([v for _, v in step_top], 1).float().cpu().numpy()
+            top_ids = torch.stack([i for i, _ in step_top], 1).cpu().numpy().astype(np.int32)
+            top_ids = np.where(np.isfinite(top_lps), top_ids, -1).astype(np.int32)
+            top_lps = np.where(np.isfinite(top_lps), top_lps, 0.0).astype(np.float32)
         out: list[list[Completion]] = []
         for p in range(len(prompts)):
             group: list[Completion] = []
@@ -354,6 +368,8 @@ class TransformersEngine:
                         finish_reason="stop" if bool(fin[i]) else "length",
                         candidate_ids=cand_ids,
                         candidate_counts=cand_counts,
+                        top_ids=None if top_ids is None else top_ids[i, :t].copy(),
+                        top_logprobs=None if top_lps is None else top_lps[i, :t].copy(),
                     )
                 )
             out.append(group)

