@@ -1,5 +1,6 @@
 """`sluice up` with the vllm engine: it launches a real vLLM server for the generator and
-one for the evaluator, learns `copy`, and stops both servers on exit."""
+one for the evaluator, learns `copy` with score centering on the server's top logprobs,
+and stops both servers on exit."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def test_sluice_up_with_vllm_learns_copy_and_stops_its_server(tmp_path: Path) ->
     # for a machine 3x slower, inside the 600 s test timeout
     args = up_args(ROOT / "examples" / "copy_vllm.toml", out, tmp_path / "model", "e2e-vllm",
                    "trainer.save_steps=20", "run.max_time_s=500",
-                   f"generation.vllm.python={py}", "trainer.max_steps=40")
+                   f"generation.vllm.python={py}", "trainer.max_steps=40",
+                   # score centering on (its default once the sampler reports top-k)
+                   "generation.num_sampler_logprobs=4")
     _, summary = run_up(args, out, tmp_path, 600)
     c = summary["conservation"]
     assert c["balanced"] and summary["reason"] == "finished" and summary["steps"] == 40, summary
@@ -37,6 +40,12 @@ def test_sluice_up_with_vllm_learns_copy_and_stops_its_server(tmp_path: Path) ->
     late = sum(m["reward"] for m in metrics[-10:]) / 10
     assert late > early, (early, late)
     assert max(m["staleness_max"] for m in metrics) <= 1
+    # every trained token carried the server's top 4 and was centred (a step whose groups
+    # all had zero advantage forwards nothing and reports no sampling/*)
+    centred = [m for m in metrics if "sampling/centered_frac" in m]
+    assert len(centred) >= len(metrics) // 2, len(centred)
+    assert all(m["sampling/centered_frac"] > 0.999 for m in centred)
+    assert all(0 < m["sampling/sampler_mass"] <= 1.0001 for m in centred)
     gen_log = (out / "logs" / "generator-0.log").read_text()
     assert "engine vllm" in gen_log
     # the evaluator decoded on a vLLM server of its own, which sluice up launched too
