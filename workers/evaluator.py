@@ -185,9 +185,7 @@ class Evaluator:
         self.runner = RewardRunner(self.rewards, cfg.scoring.reward_timeout_s)
         self.reward_errors = 0  # evaluations skipped: a reward call failed
         self.rollout = load_rollout(cfg)  # episodes, as the generators make them
-        g = cfg.generation
-        self.sampling = SamplingParams(g.max_new_tokens, temperature=g.temperature,
-                                       top_k=g.top_k, top_p=g.top_p)
+        self.sampling = SamplingParams.of(cfg.generation, top_logprobs=False)
         cfg.output_path.mkdir(parents=True, exist_ok=True)  # started alone, before any role
         self.path = cfg.output_path / "eval.jsonl"
         self.t0 = time.time()

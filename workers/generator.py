@@ -85,10 +85,7 @@ class Generator:
         seed = (cfg.run.seed * 1_000_003 + zlib.crc32(self.wid.encode())) % 2**31
         self.engine: Engine = make_engine(cfg, self.tokenizer, seed)
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
-        self.params = SamplingParams(
-            max_new_tokens=cfg.generation.max_new_tokens, temperature=cfg.generation.temperature,
-            top_k=cfg.generation.top_k, top_p=cfg.generation.top_p,
-            top_logprobs=cfg.generation.num_sampler_logprobs)
+        self.params = SamplingParams.of(cfg.generation)
         self.rollout = load_rollout(cfg)  # None: single completions
         self.filter = load_filter(cfg)
         self.limits = limits(cfg)  # the scorer's decode limits: same function, same config

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.config.generation import GenerationConfig
 
 
 class EngineError(RuntimeError):
@@ -48,6 +51,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.top_logprobs <= 64:
             raise ValueError(f"top_logprobs must be in [0, 64], got {self.top_logprobs}")
+
+    @classmethod
+    def of(cls, g: GenerationConfig, *, top_logprobs: bool = True) -> SamplingParams:
+        """`generation`'s sampling settings (generators, and the evaluator's sampled
+        passes, which need no top logprobs: ``top_logprobs=False``)."""
+        return cls(g.max_new_tokens, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                   top_logprobs=g.num_sampler_logprobs if top_logprobs else 0)
 
     @property
     def truncates(self) -> bool:
