@@ -82,22 +82,18 @@ def head_logprobs(head: nn.Module, hidden: Tensor, ids: Tensor, candidates: Tens
                               None if bias is None else bias.float()).unsqueeze(0)
     else:
         logits = head(hidden).float().unsqueeze(0)  # [1, n, V]
-    extra = None
-    if ids.dim() == 2:
-        ids, extra = ids[:, 0], ids[:, 1:]
-    if candidates is None:
-        lp = selective_log_softmax(logits, ids.unsqueeze(0), temperature)
+    if ids.dim() == 2:  # sampled + top-k ids: every column from one logsumexp per row
+        lp = logprobs_at(logits.squeeze(0), ids, candidates, temperature)
+    elif candidates is None:
+        lp = selective_log_softmax(logits, ids.unsqueeze(0), temperature).squeeze(0)
     else:
         lp = candidate_log_softmax(logits, ids.unsqueeze(0), candidates.unsqueeze(0),
-                                   temperature)
-    ent = torch.zeros_like(lp)
+                                   temperature).squeeze(0)
+    ent = torch.zeros(lp.shape[0], device=lp.device)
     if with_entropy:
         with torch.no_grad():
-            ent = entropy_from_logits(logits.detach() / temperature)
-    if extra is not None:
-        more = logprobs_at(logits.squeeze(0), extra, candidates, temperature)
-        return torch.cat([lp.squeeze(0).unsqueeze(-1), more], -1), ent.squeeze(0)
-    return lp.squeeze(0), ent.squeeze(0)
+            ent = entropy_from_logits(logits.detach() / temperature).squeeze(0)
+    return lp, ent
 
 
 def logprobs_at(logits: Tensor, ids: Tensor, candidates: Tensor | None,
