@@ -12,6 +12,8 @@ Flags every server gets and why:
 - ``--host 127.0.0.1``: servers started here listen on loopback only.
 - ``--enforce-eager`` on the CPU only (a spec without ``cuda_device``): on a GPU it would
   turn off CUDA graphs and torch.compile.
+- ``--api-server-count N`` where generation.vllm.api_server_count > 1, through vLLM's
+  ``serve`` entry (``vllm.entrypoints.cli.main serve``; the api_server module runs one).
 - ``--max-logprobs k + 1`` where generation.num_sampler_logprobs = k needs more than
   vLLM's 20 (the engine asks one more than k: vllm_top.py says why).
 - LoRA runs: ``--enable-lora --max-lora-rank R --max-loras max_staleness + 2`` and
@@ -74,6 +76,7 @@ class ServerSpec:
     lora_rank: int = 0  # 0 = LoRA off
     max_loras: int = 2
     max_logprobs: int = 20  # vLLM's default; score centering asks k + 1 per token
+    api_server_count: int = 1  # HTTP front ends before one engine (`vllm serve` entry)
     cpu_core: int | None = 0  # CPU machines: the core the server's OpenMP threads bind to
     cuda_device: str | None = None  # GPU machines: its CUDA_VISIBLE_DEVICES (None: CPU)
     start_after: int | None = None  # `launch`: index of an earlier server to wait for
@@ -83,12 +86,17 @@ class ServerSpec:
     api_key: str | None = field(default=None, repr=False)
 
     def command(self, port: int) -> list[str]:
-        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
+        # the api_server module runs one front end and ignores --api-server-count
+        entry = (["vllm.entrypoints.cli.main", "serve"] if self.api_server_count > 1
+                 else ["vllm.entrypoints.openai.api_server"])
+        cmd = [self.python, "-m", *entry,
                "--model", self.model, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out"]
         if self.max_logprobs != 20:
             cmd += ["--max-logprobs", str(self.max_logprobs)]
+        if self.api_server_count > 1:
+            cmd += ["--api-server-count", str(self.api_server_count)]
         if self.cuda_device is None:  # the CPU; a GPU keeps CUDA graphs
             # A prompt prefilled over two steps (chunked prefill) makes vLLM's runner
             # rewind its request's seeded generator (`set_offset`), which a CPU

