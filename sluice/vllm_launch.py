@@ -13,7 +13,8 @@ Flags every server gets and why:
 - ``--enforce-eager`` on the CPU only (a spec without ``cuda_device``): on a GPU it would
   turn off CUDA graphs and torch.compile.
 - ``--api-server-count N`` where generation.vllm.api_server_count > 1, through vLLM's
-  ``serve`` entry (``vllm.entrypoints.cli.main serve``; the api_server module runs one).
+  ``serve`` entry (the api_server module runs one front end), started by
+  `workers.engines.vllm_serve` because the CPU wheel's own ``vllm`` command cannot start.
 - ``--max-logprobs k + 1`` where generation.num_sampler_logprobs = k needs more than
   vLLM's 20 (the engine asks one more than k: vllm_top.py says why).
 - LoRA runs: ``--enable-lora --max-lora-rank R --max-loras max_staleness + 2`` and
@@ -86,8 +87,9 @@ class ServerSpec:
     api_key: str | None = field(default=None, repr=False)
 
     def command(self, port: int) -> list[str]:
-        # the api_server module runs one front end and ignores --api-server-count
-        entry = (["vllm.entrypoints.cli.main", "serve"] if self.api_server_count > 1
+        # the api_server module runs one front end and ignores --api-server-count;
+        # vllm_serve is `vllm serve` made to start from the CPU wheel too
+        entry = (["workers.engines.vllm_serve"] if self.api_server_count > 1
                  else ["vllm.entrypoints.openai.api_server"])
         cmd = [self.python, "-m", *entry,
                "--model", self.model, "--host", "127.0.0.1", "--port", str(port),
@@ -136,8 +138,10 @@ class ServerSpec:
             env["CUDA_VISIBLE_DEVICES"] = self.cuda_device
         if self.lora_rank:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
-        if self.api_key:  # and `vllm_guard` importable from wherever the server runs
+        if self.api_key:
             env[API_KEY_ENV] = self.api_key
+        if self.api_key or self.api_server_count > 1:
+            # `vllm_guard` / `vllm_serve` importable from wherever the server runs
             path = os.environ.get("PYTHONPATH")
             env["PYTHONPATH"] = str(CHECKOUT) + (os.pathsep + path if path else "")
         return env

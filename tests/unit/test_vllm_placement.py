@@ -188,7 +188,8 @@ def test_vllm_specs_follow_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_several_front_ends_go_through_vllms_serve_entry(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The api_server module runs one front end whatever --api-server-count says; only
-    `vllm serve` (vllm.entrypoints.cli.main) starts several."""
+    `vllm serve` starts several, through `workers.engines.vllm_serve` (the CPU wheel's
+    own CLI cannot start), which the server finds on its PYTHONPATH."""
     _fake_machine(monkeypatch, ["0", "1"])
     one = vllm_specs(_cfg(tmp_path, "generation.vllm.launch=1"))[0].command(1)
     assert one[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -197,9 +198,11 @@ def test_several_front_ends_go_through_vllms_serve_entry(
                             "generation.vllm.api_server_count=8",
                             "generation.num_sampler_logprobs=8"))
     for cmd in (s.command(1) for s in specs):  # the evaluator's server too
-        assert cmd[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+        assert cmd[1:3] == ["-m", "workers.engines.vllm_serve"]
         assert cmd[cmd.index("--api-server-count") + 1] == "8"
         assert cmd[cmd.index("--model") + 1] == "/models/m"
+    root = str(Path(__file__).resolve().parents[2])
+    assert specs[0].own_env("/c")["PYTHONPATH"].split(os.pathsep)[0] == root
 
 
 def test_up_refuses_nccl_on_one_gpu_before_any_process_starts(
