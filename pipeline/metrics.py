@@ -58,6 +58,7 @@ from prometheus_client import (
 from pipeline.bus.client import Bus
 from pipeline.bus.keys import RETIRE_REASONS
 from pipeline.config import ConfigError, MetricsConfig
+from pipeline.tracking import TRL_PREFIXES
 
 log = logging.getLogger("sluice.metrics")
 PREFIX = "sluice_"
@@ -217,7 +218,7 @@ STEP_GAUGES = {"loss": "batch_loss", "grad_norm": "batch_grad_norm", "reward": "
                "reward_std": "batch_reward_std", "lr": "batch_learning_rate",
                "entropy": "batch_entropy"}
 """Trainer step row (metrics.jsonl) key → the gauge that shows its last value."""
-FIGURE_PREFIXES = ("perf/", "batch/", "sample/", "sampling/")
+FIGURE_PREFIXES = TRL_PREFIXES
 """Trainer step row keys shown on ``batch_figure{metric=<key>}`` (TRL's names)."""
 
 

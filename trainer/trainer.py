@@ -61,6 +61,7 @@ from pipeline.bus.version_check import verified_version
 from pipeline.config import Config, ConfigError
 from pipeline.devices import resolve_device
 from pipeline.metrics import start as start_metrics
+from pipeline.rollout_meter import RolloutMeter
 from pipeline.runtime import Heartbeat, bound_exit, connect, end_requests, limits, set_threads
 from pipeline.tracking import Tracker, check_report_to, open_tracker, trainer_metrics
 from pipeline.weights import check_store, make_transport
@@ -132,6 +133,7 @@ class Trainer:
         self.reader = Reader(cfg, self.consumer, self.wid, self.limits, self.ledger,
                              self.metrics)
         self.tracker = Tracker()  # run.report_to, opened by rank 0 once it has resumed
+        self.rollout_meter: RolloutMeter | None = RolloutMeter()  # None: cannot read beats
 
     @property
     def ref_model(self) -> torch.nn.Module | None:
@@ -395,10 +397,26 @@ class Trainer:
             buf = []
             run_state = await bus.retrying(bus.state, "state")
             metrics["filtered"] = run_state.get("retired:filtered", 0)
+            metrics.update(await self.rollout_series(bus))
             self.record(groups, metrics, t0, t1, trained_at=header.version)
             if header.save:
                 await self.compute(self.checkpoint)
         return "max_steps" if self.state.step >= self.train_cfg.max_steps else "stop"
+
+    async def rollout_series(self, bus: Bus) -> dict[str, float]:
+        """TRL's ``rollout/*`` series from the generators' heartbeats
+        (`pipeline.rollout_meter`); none, with one warning, where the trainer's Redis user
+        may not read them (an ACL file rendered by an older sluice) or the read fails."""
+        if self.rollout_meter is None:
+            return {}
+        try:
+            return self.rollout_meter.update(await bus.heartbeats_of("generator"))
+        except Exception as e:  # a metric: never worth a step
+            log.warning("rollout/* series off: cannot read the generators' heartbeats "
+                        "(%s); re-render the ACL (`sluice acl`) to give the trainer read "
+                        "access to them", e)
+            self.rollout_meter = None
+            return {}
 
     def stop_ranks(self) -> None:
         """The final checkpoint, with every rank, unless this step is already saved (a

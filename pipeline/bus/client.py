@@ -415,12 +415,16 @@ class Bus(AdmissionWrites, TrainerWrites):
     async def forget_worker(self, wid: str) -> None:
         await self.r.hdel(self.keys.heartbeat_key(wid), wid)
 
+    async def heartbeats_of(self, role: str) -> dict[str, dict[str, Any]]:
+        """The heartbeats of one role's workers (``role/id`` -> beat)."""
+        raw = await self.r.hgetall(self.keys.heartbeats(role))
+        return {as_str(k): json.loads(v) for k, v in raw.items()}
+
     async def workers(self) -> dict[str, dict[str, Any]]:
         """Every role's heartbeats, merged (worker ids are unique: ``role/id``)."""
         out: dict[str, dict[str, Any]] = {}
         for role in HEARTBEAT_ROLES:
-            raw = await self.r.hgetall(self.keys.heartbeats(role))
-            out.update({as_str(k): json.loads(v) for k, v in raw.items()})
+            out.update(await self.heartbeats_of(role))
         return out
 
 

@@ -39,9 +39,9 @@ class VLLMConfig(_Section):
     front of one engine (vLLM's `serve` entry). Serialising top logprobs
     (generation.num_sampler_logprobs) costs front-end time, which TRL reports halves
     GPU throughput with one front end and `--api-server-count 8` hides; on a 2-core CPU
-    the cost was not measurable and 4 front ends were slower (docs/vllm.md). Pause, weight loads and versions act on the
-    engine, so they hold across front ends; vLLM refuses runtime LoRA loading with more
-    than one, so adapter-only LoRA sync needs 1."""
+    the cost was not measurable and 4 front ends were slower (docs/vllm.md). Pause,
+    weight loads and versions act on the engine, so they hold across front ends; vLLM
+    refuses runtime LoRA loading with more than one, so adapter-only LoRA sync needs 1."""
     extra_args: list[str] = Field(default_factory=list)
     """Further command-line flags for launched servers."""
     accept_biased_truncation: bool = False

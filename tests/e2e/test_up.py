@@ -88,6 +88,8 @@ def test_sluice_up_short_run_learns_balances_and_exits_cleanly(short_run: ShortR
     early = sum(m["reward"] for m in metrics[:10]) / 10
     late = sum(m["reward"] for m in metrics[-10:]) / 10
     assert late > early, (early, late)
+    # the generators' throughput as a series (pipeline.rollout_meter, their heartbeats)
+    assert max(m.get("rollout/generated_tok_s", 0.0) for m in metrics) > 0
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert short_run.checkpoints[-1] == f"step-{STEPS:08d}"
     assert "conservation" in proc.stdout and "balanced" in proc.stdout

@@ -3,7 +3,8 @@ with `sluice acl`'s users (the `acl` fixture of test_security.py):
 
 - a role that forges ``state.version`` (every writing role may HSET ``state``: its
   scripts write it) cannot make a resuming trainer trust it (`pipeline.bus.version_check`);
-- a role writes only its own role's heartbeats (`workers:<role>`);
+- a role writes only its own role's heartbeats (`workers:<role>`); the trainer reads the
+  generators' (its rollout/* series) and no other role's;
 - a child of `sluice up` holds only its own role's password (`sluice.up_credentials`).
 
 Every server and process is started by the fixtures and ended by PID.
@@ -94,6 +95,33 @@ def test_a_role_can_write_only_its_own_roles_heartbeats(
     seen = asyncio.run(go())
     assert set(seen) == {"trainer/trainer-0", "scorer/s0"}
     assert seen["trainer/trainer-0"]["step"] == 7
+    admin.execute_command("ACL", "LOG", "RESET")
+
+
+def test_the_trainer_reads_but_cannot_write_the_generators_heartbeats(
+        acl: AclServer, admin: redis.Redis) -> None:  # noqa: F811
+    """Its rollout/* series (`pipeline.rollout_meter`) come from the generators' beats;
+    reading them must not let a trainer fake or erase one, nor read other roles'."""
+    async def go() -> dict[str, dict[str, object]]:
+        def bus(role: str) -> Bus:
+            return Bus.connect(acl.srv.url, RUN, role=role, credentials_file=str(acl.creds))
+
+        gen, tr = bus("generator"), bus("trainer")
+        try:
+            await gen.heartbeat("generator/g0", {"tokens": 64})
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                await tr.heartbeat("generator/g0", {"tokens": 0})
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                await tr.forget_worker("generator/g0")
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                await tr.heartbeats_of("scorer")
+            return await tr.heartbeats_of("generator")
+        finally:
+            for b in (gen, tr):
+                await b.close()
+
+    seen = asyncio.run(go())
+    assert seen["generator/g0"]["tokens"] == 64
     admin.execute_command("ACL", "LOG", "RESET")
 
 

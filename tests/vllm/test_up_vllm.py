@@ -46,6 +46,12 @@ def test_sluice_up_with_vllm_learns_copy_and_stops_its_server(tmp_path: Path) ->
     assert len(centred) >= len(metrics) // 2, len(centred)
     assert all(m["sampling/centered_frac"] > 0.999 for m in centred)
     assert all(0 < m["sampling/sampler_mass"] <= 1.0001 for m in centred)
+    # TRL's rollout/* series, from the generator's heartbeats (pipeline.rollout_meter)
+    rolled = [m for m in metrics if "rollout/concurrency_cap" in m]
+    assert len(rolled) >= len(metrics) // 2, len(rolled)
+    assert all(m["rollout/concurrency_cap"] >= 1 and m["rollout/concurrency"] >= 0
+               for m in rolled)
+    assert max(m.get("rollout/generated_tok_s", 0.0) for m in metrics) > 0
     gen_log = (out / "logs" / "generator-0.log").read_text()
     assert "engine vllm" in gen_log
     # the evaluator decoded on a vLLM server of its own, which sluice up launched too
