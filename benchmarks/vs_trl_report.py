@@ -9,7 +9,7 @@ import math
 import statistics
 from typing import Any
 
-from benchmarks.curves import area, curve, mean_ci, paired_ci, value_at
+from benchmarks.curves import area, curve, mean_ci, paired_ci, sign_flip_p, value_at
 
 EXACT_TARGETS = (0.2, 0.5)  # secondary, below --target
 REWARD_TARGETS = (0.6, 0.7, 0.8, 0.9)
@@ -20,7 +20,8 @@ Results = dict[str, dict[str, dict[str, Any]]]  # arm -> seed -> run
 MECHANISM = [("entropy", "H"), ("clip_ratio/region_mean", "clip"),
              ("is_ratio/outside_frac", "IS_out"), ("frac_reward_zero_std", "flat"),
              ("grad_norm", "|g|"), ("logprob_diff/mean_abs", "dlogp"),
-             ("staleness_mean", "stale")]
+             ("staleness_mean", "stale"), ("is_ratio/min", "IS_min"),
+             ("is_ratio/max", "IS_max"), ("sampling/sampler_mass", "mass")]
 
 
 def first(evals: list[dict[str, Any]], thr: float, key: str = "exact") -> dict[str, Any] | None:
@@ -138,11 +139,13 @@ def per_run(res: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
 def areas(res: Results, budget_s: float, samples: float) -> list[str]:
     """Area under the held-out reward curve (its mean over the span) against time
     ([0, budget_s]) and against samples ([0, samples]): per arm the mean over seeds with
-    a 95% Student-t interval, and against the TRL arm the paired difference (same seeds)
-    with its t interval (`benchmarks.curves`)."""
+    a 95% Student-t interval, and against the baseline arm (TRL's, else the first) the
+    paired difference (same seeds) with its t interval and the exact sign-flip p-value
+    (`benchmarks.curves`)."""
     lines = ["area under the held-out reward curve = its mean over the span; 95% t intervals "
-             "over seeds (none with one seed); 'vs TRL' pairs the seeds"]
-    base = next((n for n in res if n.startswith("trl")), None)
+             "over seeds (none with one seed); 'vs' pairs the seeds, p = exact sign-flip "
+             "test (its floor is 2/2^seeds)"]
+    base = next((n for n in res if n.startswith("trl")), next(iter(res), None))
     for x, span_x, unit in (("t", budget_s, "s"), ("samples", samples, "samples")):
         lines.append(f"  against {unit}, over [0, {span_x:g}]:")
         per_arm = {name: {seed: area(curve(r["evals"], x, "reward"), span_x)
@@ -153,9 +156,12 @@ def areas(res: Results, budget_s: float, samples: float) -> list[str]:
             if base and name != base:
                 common = sorted(set(by_seed) & set(per_arm[base]))
                 if common:
-                    d, dlo, dhi = paired_ci([by_seed[s] for s in common],
-                                            [per_arm[base][s] for s in common])
-                    row += f"   vs {base}: {d:+.3f} [{dlo:+.3f}, {dhi:+.3f}] ({len(common)} seeds)"
+                    a = [by_seed[s] for s in common]
+                    b = [per_arm[base][s] for s in common]
+                    d, dlo, dhi = paired_ci(a, b)
+                    p = sign_flip_p([x - y for x, y in zip(a, b, strict=True)])
+                    row += (f"   vs {base}: {d:+.3f} [{dlo:+.3f}, {dhi:+.3f}] p={p:.3g} "
+                            f"({len(common)} seeds)")
             lines.append(row)
     return [*lines, ""]
 
@@ -185,7 +191,9 @@ def mechanism_table(res: Results) -> list[str]:
     lines = ["mechanism: each run's metrics averaged over its first / last quarter of logged "
              "steps (H entropy nats/token, clip = PPO clip fraction, IS_out = tokens the IS "
              "correction truncates, flat = zero-variance groups, |g| grad norm, dlogp = "
-             "|trained - behaviour| nats/token, stale = versions); steps/s, samples/s",
+             "|trained - behaviour| nats/token, stale = versions, IS_min / IS_max = each "
+             "step's smallest / largest raw IS ratio, mass = the sampler's top-k "
+             "probability mass where score centering ran); steps/s, samples/s",
              f"  {'arm':<10} {'seed':>4} {'phase':<6}" + "".join(f"{n:>8}" for n in names)]
     for name, seeds in res.items():
         for seed, r in seeds.items():

@@ -63,3 +63,17 @@ def test_t_intervals_contain_the_mean_and_pair_by_seed() -> None:
     assert one[0] == 0.4 and math.isnan(one[1]) and math.isnan(one[2])
     with pytest.raises(ValueError):
         paired_ci([1.0], [1.0, 2.0])
+
+
+def test_sign_flip_p_is_exact_on_small_cases() -> None:
+    from benchmarks.curves import sign_flip_p
+
+    # 3 seeds all one way: only the all-plus and all-minus patterns are as extreme
+    assert sign_flip_p([0.1, 0.2, 0.3]) == 2 / 8
+    assert sign_flip_p([0.1, 0.2, 0.3, 0.4, 0.5]) == 2 / 32
+    # a tie with 0 everywhere: every pattern is as extreme
+    assert sign_flip_p([0.0, 0.0]) == 1.0
+    # mixed signs: |0.3 - 0.1| = 0.2; patterns with |sum| >= 0.2: (+,-),(-,+),(+,+),(-,-)
+    assert sign_flip_p([0.3, -0.1]) == 1.0
+    # |1 + 1 - 0.5| = 1.5: (+,+,-) (-,-,+) (+,+,+)=2.5 (-,-,-) -> 4 of 8
+    assert sign_flip_p([1.0, 1.0, -0.5]) == 4 / 8
