@@ -64,7 +64,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script (the docstring's commands) or with -m
 
-from benchmarks.vs_trl_report import first, mechanism, report  # noqa: E402
+from benchmarks.vs_trl_report import common_samples, first, mechanism, report  # noqa: E402
 from sluice.report import read_jsonl  # noqa: E402
 
 PY = sys.executable
@@ -267,8 +267,9 @@ def main() -> None:
     p.add_argument("--arms", default="trl,s1")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=K=V;K=V")
     p.add_argument("--seeds", default="0,1,2,3,4")
-    p.add_argument("--auc-samples", type=float, default=150_000,
-                   help="area under the held-out reward curve over [0, this] samples")
+    p.add_argument("--auc-samples", type=float, default=0.0,
+                   help="area under the held-out reward curve over [0, this] samples; "
+                        "0 = the window every run covers (vs_trl_report.common_samples)")
     p.add_argument("--budget-s", type=float, default=480.0)
     p.add_argument("--probe-s", type=float, default=45.0)
     p.add_argument("--trl-threads", type=int, default=0, help="0 = probe 1 and 2")
@@ -288,7 +289,8 @@ def main() -> None:
     res: dict[str, dict[str, dict[str, Any]]] = saved["runs"]
     if a.report_only:
         print(f"settings: {saved.get('args')}\n"
-              + "\n".join(report(res, a.target, a.budget_s, a.auc_samples)))
+              + "\n".join(report(res, a.target, a.budget_s,
+                                  a.auc_samples or common_samples(res, a.target) or 1000)))
         return
     arms = parse_arms(a)
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -319,7 +321,8 @@ def main() -> None:
             path.write_text(json.dumps(saved, indent=1))
     print(f"\ncpus={os.cpu_count()} {common_args(a)} target={a.target} "
           f"TRL threads={threads or '-'} probe={saved.get('trl_threads_probe')}")
-    print("\n".join(report(res, a.target, a.budget_s, a.auc_samples)))
+    print("\n".join(report(res, a.target, a.budget_s,
+                                  a.auc_samples or common_samples(res, a.target) or 1000)))
 
 
 def model_for(a: argparse.Namespace, seed: int) -> Path:

@@ -111,7 +111,7 @@ from benchmarks.vs_trl import (  # noqa: E402
     trl_result,
     watch,
 )
-from benchmarks.vs_trl_report import mechanism, report  # noqa: E402
+from benchmarks.vs_trl_report import common_samples, mechanism, report  # noqa: E402
 from pipeline.config import Config, load_config  # noqa: E402
 from sluice.report import read_jsonl  # noqa: E402
 
@@ -321,7 +321,8 @@ def main() -> None:
     p.add_argument("--trl-generation", choices=("probe", "generate", "paged"),
                    default="probe", help="probe = try both")
     p.add_argument("--auc-samples", type=float, default=0.0,
-                   help="area against samples over [0, this]; 0 = TRL's samples in budget")
+                   help="area against samples over [0, this]; 0 = the window every run "
+                        "covers (vs_trl_report.common_samples)")
     p.add_argument("--metric", default="rewards/first_number_reward",
                    help="the eval row's field the report calls reward (default: accuracy)")
     p.add_argument("--target", type=float, default=0.9, help="held-out pass@1 threshold")
@@ -347,9 +348,7 @@ def main() -> None:
         ensure_model(cfg)  # the model folder, from its GGUF file on first use
         run_all(a, cfg, saved, path)
     pick_metric(res, a.metric)  # --report-only --metric X: the same runs by another figure
-    trl_samples = max((e["samples"] for s in res.get("trl", {}).values() for e in s["evals"]),
-                      default=0)
-    span = a.auc_samples or trl_samples or 1000
+    span = a.auc_samples or common_samples(res, a.target) or 1000
     print(f"\nsettings: {saved.get('args')}; TRL probe (threads/generation: steps/s): "
           f"{saved.get('trl_probe')}\n'reward' below = the eval's {a.metric}, "
           "'exact' = its pass@1\n")

@@ -24,6 +24,18 @@ MECHANISM = [("entropy", "H"), ("clip_ratio/region_mean", "clip"),
              ("is_ratio/max", "IS_max"), ("sampling/sampler_mass", "mass")]
 
 
+def common_samples(res: Results, target: float) -> float:
+    """The samples window every run covers: the smallest final sample count over the
+    runs, leaving out runs that reached ``target`` (they stopped because they were done,
+    so holding their last value is a measurement, not an extrapolation). Areas against
+    samples taken past a run's end would hold that run flat over samples it never drew.
+    0 when no run has an evaluation."""
+    ends = [max(e["samples"] for e in r["evals"]) for seeds in res.values()
+            for r in seeds.values() if r.get("evals")
+            and max(e.get("exact", 0.0) for e in r["evals"]) < target]
+    return float(min(ends)) if ends else 0.0
+
+
 def first(evals: list[dict[str, Any]], thr: float, key: str = "exact") -> dict[str, Any] | None:
     return next((e for e in evals if e[key] >= thr), None)
 

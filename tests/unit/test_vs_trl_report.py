@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.vs_trl import parts_of, pick_metric, watch
-from benchmarks.vs_trl_report import mechanism, report
+from benchmarks.vs_trl_report import common_samples, mechanism, report
 
 
 def _run(rate: float) -> dict:
@@ -58,3 +58,13 @@ def test_runs_are_reported_by_any_stored_figure_and_watch_sends_the_stop_signal(
     ready = Path(str(seen) + ".ready")
     watch(proc, lambda: ready.exists(), every_s=0.1, stop_signal=signal.SIGINT)
     assert seen.read_text() == str(int(signal.SIGINT))
+
+
+def test_the_samples_window_is_what_every_unfinished_run_covers() -> None:
+    short = _run(0.005)
+    short["evals"] = short["evals"][:8]  # ended at 70k samples, below the target
+    done = _run(0.05)  # exact 0.9+ by t=40: stopped because it was done
+    done["evals"] = done["evals"][:5]
+    res = {"trl": {"0": _run(0.005), "1": short}, "s1": {"0": done, "1": _run(0.006)}}
+    assert common_samples(res, target=0.9) == 70_000
+    assert common_samples({}, target=0.9) == 0.0
