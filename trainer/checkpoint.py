@@ -63,6 +63,8 @@ class TrainerState:
     trained_ids: list[str] = field(default_factory=list)
     run_state: dict[str, int] = field(default_factory=dict)
     tokens_seen: int = 0  # prompt + completion tokens trained so far (TRL's num_tokens)
+    entropy_coef: float | None = None  # adaptive entropy control (pipeline.rl.entropy_control)
+    last_entropy: float | None = None  # None: none measured yet (the controller's +inf)
 
 
 class CheckpointError(OSError):

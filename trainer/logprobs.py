@@ -57,7 +57,8 @@ class CompletionLogprobs(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.fp32_head = fp32_head
 
-    def forward(self, layout: Layout, batch: Batch, with_entropy: bool = False
+    def forward(self, layout: Layout, batch: Batch, with_entropy: bool = False,
+                entropy_grad: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         body, head = split_lm(self.policy)
         device = head.weight.device
@@ -82,7 +83,8 @@ class CompletionLogprobs(nn.Module):
         cands = None if batch.candidates is None else batch.candidates[sel].to(device)
         logps, entropy_flat = chunked_head_logprobs(
             head, h, ids, chunk_tokens=self.chunk_tokens, temperature=self.temperature,
-            candidates=cands, fp32_head=self.fp32_head, with_entropy=with_entropy)
+            candidates=cands, fp32_head=self.fp32_head, with_entropy=with_entropy,
+            entropy_grad=entropy_grad)
         shape = batch.mask.shape
         where = sel.to(device)
         top = None

@@ -127,14 +127,15 @@ def step_norm(batch: Batch, dp: DataParallel | None = None) -> LossNorm:
     return LossNorm(tokens=float(t[0]), rows=int(t[1]))
 
 
-def gradient_rows(batch: Batch, loss: LossConfig) -> torch.Tensor:
+def gradient_rows(batch: Batch, loss: LossConfig, every_row: bool = False) -> torch.Tensor:
     """Indices of the rows whose gradient can be non-zero. With ``beta`` = 0 a row at
     advantage exactly 0 (a zero-variance group, trained as TRL does with
     ``scoring.zero_variance = "train"``) has per-token loss ``-min(r·0, clip(r)·0)·w = 0``
     and zero gradient under every loss type, so it is not forwarded: its tokens and row
     still count in the step's normaliser (`step_norm`), which is all it contributes.
-    Per-step metrics (entropy, clip and IS ratios) are then over the forwarded rows."""
-    if loss.beta > 0:
+    Per-step metrics (entropy, clip and IS ratios) are then over the forwarded rows.
+    ``every_row``: all rows (an entropy bonus has a gradient at advantage 0 too)."""
+    if loss.beta > 0 or every_row:
         return torch.arange(batch.num_rows)
     nonzero = batch.advantages != 0
     if nonzero.dim() == 2:  # per-token advantages: a row with any non-zero one (trained)
@@ -142,7 +143,8 @@ def gradient_rows(batch: Batch, loss: LossConfig) -> torch.Tensor:
     return torch.nonzero(nonzero).flatten()
 
 
-def lean_logps(model: torch.nn.Module, mb: Batch, st: StepSettings, with_entropy: bool = False
+def lean_logps(model: torch.nn.Module, mb: Batch, st: StepSettings, with_entropy: bool = False,
+               entropy_grad: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(logps [B, T], entropy [B, T] | None, top [B, T, k] | None)`` of a micro-batch
     through the memory-lean path (``top``: at the sampler's top ids, when carried);
@@ -151,16 +153,21 @@ def lean_logps(model: torch.nn.Module, mb: Batch, st: StepSettings, with_entropy
         model, st.temperature, st.chunk_tokens, st.fp32_head)
     layout = make_layout(mb, st.layout, st.pad_id)
     with _autocast(fwd, st.compute_dtype):
-        return fwd(layout, mb, with_entropy)
+        return fwd(layout, mb, with_entropy, entropy_grad)
 
 
 def compute_loss(model: torch.nn.Module, batch: Batch, st: StepSettings,
                  old_logps: torch.Tensor | None = None,
                  ref_logps: torch.Tensor | None = None, norm: LossNorm | None = None,
-                 with_entropy: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+                 with_entropy: bool = True, entropy_coef: float = 0.0
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Differentiable loss of ``model`` on (micro-)batch ``batch`` plus metrics (incl.
-    entropy). ``norm`` is the whole step's normaliser; None = this batch's own."""
-    logps, ent, top = lean_logps(model, batch, st, with_entropy)
+    entropy). ``norm`` is the whole step's normaliser; None = this batch's own.
+    ``entropy_coef`` > 0 subtracts that times this batch's share of the step's mean
+    token entropy (Σ entropy / the step's trained tokens; `pipeline.rl.entropy_control`),
+    so the micro-batches' terms add up to ``entropy_coef · H̄``."""
+    bonus = entropy_coef > 0
+    logps, ent, top = lean_logps(model, batch, st, with_entropy or bonus, entropy_grad=bonus)
     dev = logps.device
     loss, metrics = grpo_loss(logps, _on(old_logps, dev), batch.behaviour_logps.to(dev),
                               batch.advantages.to(dev), batch.mask.to(dev), st.loss,
@@ -169,7 +176,11 @@ def compute_loss(model: torch.nn.Module, batch: Batch, st: StepSettings,
                               sampler_top_logps=_on(batch.sampler_top_logps, dev))
     if ent is not None:
         m = batch.mask.to(dev)
-        metrics["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
+        ent_sum = (ent * m).sum()
+        metrics["entropy"] = float(ent_sum.detach() / m.sum().clamp(min=1))
+        if bonus:
+            tokens = norm.tokens if norm is not None else float(m.sum())
+            loss = loss - entropy_coef * ent_sum / max(tokens, 1.0)
     return loss, metrics
 
 
@@ -189,7 +200,8 @@ def lean_reference_logps(model: torch.nn.Module, mb: Batch, st: StepSettings,
 def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
              settings: StepSettings, ref_model: torch.nn.Module | None = None, *,
              data_parallel: DataParallel | None = None,
-             scaler: torch.amp.GradScaler | None = None) -> dict[str, float]:
+             scaler: torch.amp.GradScaler | None = None, entropy_coef: float = 0.0,
+             every_row: bool = False) -> dict[str, float]:
     """``num_iterations`` optimizer steps on ``batch``, gradients accumulated over its
     micro-batches; metrics averaged over the passes (token-weighted within one).
 
@@ -201,10 +213,15 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
 
     In a data-parallel job a rank with fewer micro-batches than the busiest rank repeats
     its first one at weight 0 (same collectives, zero gradient).
+
+    ``entropy_coef`` > 0 adds the entropy bonus to every pass; ``every_row`` (the bonus
+    enabled, `EntropyControl.enabled`) forwards rows at advantage 0 too and makes
+    ``entropy`` the mean over every rank's trained tokens, which adaptive control reads.
     """
     # every row counts in the normaliser, forwarded or not
     loss_norm = step_norm(batch, data_parallel)
-    step_batches, weights = _weighted_micro_batches(batch, settings, data_parallel)
+    step_batches, weights = _weighted_micro_batches(batch, settings, data_parallel,
+                                                    every_row)
     ref_logps: list[torch.Tensor | None] = [None] * len(step_batches)
     old_logps: list[torch.Tensor | None] = [None] * len(step_batches)
     if settings.loss.beta > 0:
@@ -225,7 +242,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
         for index, micro_batch in enumerate(step_batches):
             loss, metrics = compute_loss(model, micro_batch, settings, old_logps[index],
                                          ref_logps[index], loss_norm,
-                                         with_entropy=pass_index == 0)
+                                         with_entropy=pass_index == 0,
+                                         entropy_coef=entropy_coef * weights[index])
             scaled = loss * (grad_scale * weights[index])
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
             if weights[index]:
@@ -252,6 +270,14 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
         passes.append({**pass_metrics.result(), "loss": pass_loss, "grad_norm": grad_norm})
     out = {k: _mean([p.get(k, math.nan) for p in passes]) for k in passes[0]}
     out["loss"], out["entropy"] = passes[0]["loss"], passes[0].get("entropy", math.nan)
+    if every_row and data_parallel is not None:  # one figure on every rank: all tokens'
+        h = out["entropy"]
+        tokens = float(sum(float(b.mask.sum()) * w for b, w in zip(step_batches, weights,
+                                                                   strict=True)))
+        sums = torch.tensor([0.0 if math.isnan(h) else h * tokens,
+                             0.0 if math.isnan(h) else tokens], dtype=torch.float64)
+        data_parallel.all_reduce(sums)
+        out["entropy"] = float(sums[0] / sums[1]) if sums[1] > 0 else math.nan
     out["skipped"] = skipped
     out["micro_batches"] = float(sum(w > 0 for w in weights))
     out.update(layout_stats([b for b, w in zip(step_batches, weights, strict=True) if w],
@@ -260,14 +286,14 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
 
 
 def _weighted_micro_batches(batch: Batch, settings: StepSettings,
-                            data_parallel: DataParallel | None
+                            data_parallel: DataParallel | None, every_row: bool = False
                             ) -> tuple[list[Batch], list[float]]:
     """The step's micro-batches and each one's gradient weight (1.0, or 0.0 for a
     stand-in that only keeps the collectives in step). Only `gradient_rows` are
     forwarded; with none, one zero-weight row keeps the step (zero gradients, so AdamW
     still steps). With ``data_parallel``, the first micro-batch is repeated at weight 0
     until every rank runs as many as the busiest."""
-    gradient_row_ids = gradient_rows(batch, settings.loss)
+    gradient_row_ids = gradient_rows(batch, settings.loss, every_row)
     if len(gradient_row_ids) == 0:
         step_batches, weights = [batch.rows([0])], [0.0]
     else:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import resource
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ from pipeline.bus.version_check import verified_version
 from pipeline.config import Config, ConfigError
 from pipeline.devices import resolve_device
 from pipeline.metrics import start as start_metrics
+from pipeline.rl.entropy_control import EntropyControl
 from pipeline.rollout_meter import RolloutMeter
 from pipeline.runtime import Heartbeat, bound_exit, connect, end_requests, limits, set_threads
 from pipeline.tracking import Tracker, check_report_to, open_tracker, trainer_metrics
@@ -125,6 +127,7 @@ class Trainer:
         self.metrics_path = out / "metrics.jsonl"
         self.limits = limits(cfg)
         self.state = TrainerState()
+        self.entropy = EntropyControl.of(cfg.trainer)  # the bonus's coefficient per step
         self.last: dict[str, Any] = {}
         self.t_start = time.time()
         self.ledger = Ledger.for_role(out, "trainer", self.consumer,
@@ -181,17 +184,23 @@ class Trainer:
                 f"old (max_staleness {self.train_cfg.max_staleness}) in the batch of version "
                 f"{self.state.version}")
         missing = self.candidates_missing(batch)
-        forwarded = batch.seq_lens[gradient_rows(batch, self.step_settings.loss)]
+        every_row = self.entropy.enabled
+        forwarded = batch.seq_lens[gradient_rows(batch, self.step_settings.loss, every_row)]
         started = time.perf_counter()
+        applied = self.entropy.applied()
         metrics = optimize(self.setup.fwd, self.optimizer, batch, self.step_settings,
                            self.setup.ref, data_parallel=self.ranks.data_parallel(),
-                           scaler=self.setup.scaler)
+                           scaler=self.setup.scaler, entropy_coef=applied,
+                           every_row=every_row)
         metrics["perf/fwd_bwd_s"] = time.perf_counter() - started
         metrics["perf/step_flops"] = step_flops(
             self.shape, forwarded, passes=self.step_settings.num_iterations,
             reference=self.step_settings.loss.beta > 0)
         if not metrics["skipped"]:
             self.setup.scheduler.step()
+            self.entropy.update(metrics["entropy"])  # every rank: the same global entropy
+        if every_row:  # TRL's entropy_coef (after the update) and the one this step used
+            metrics["entropy_coef"], metrics["entropy_coef_applied"] = self.entropy.coef, applied
         m = batch.mask
         return {"tokens": batch.num_tokens, "lr": float(self.setup.scheduler.get_last_lr()[0]),
                 "staleness_mean": float((age * m).sum() / m.sum().clamp(min=1)),
@@ -258,8 +267,13 @@ class Trainer:
     # ------------------------------------------------------------------ lifecycle
 
     def load_checkpoint(self) -> TrainerState | None:
-        """Every rank: the newest checkpoint into the model, optimizer and schedule."""
-        return self.ckpt.load_latest(self.model, self.optimizer, self.setup.scheduler, self.ranks)
+        """Every rank: the newest checkpoint into the model, optimizer, schedule and
+        entropy controller."""
+        st = self.ckpt.load_latest(self.model, self.optimizer, self.setup.scheduler,
+                                   self.ranks)
+        if st is not None:
+            self.entropy.restore(st.entropy_coef, st.last_entropy)
+        return st
 
     async def resume(self, bus: Bus) -> None:
         """Continue from the newest checkpoint; never move ``version`` backwards."""
@@ -287,6 +301,9 @@ class Trainer:
     def checkpoint(self) -> None:
         """Every rank (they gather); rank 0 writes."""
         self.state.trained_ids = self.reader.trained_ids()
+        self.state.entropy_coef = self.entropy.coef
+        self.state.last_entropy = (self.entropy.last_entropy
+                                   if math.isfinite(self.entropy.last_entropy) else None)
         self.ckpt.save(self.model, self.optimizer, self.state, self.setup.scheduler, self.ranks)
 
     async def start_nccl(self) -> None:

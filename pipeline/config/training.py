@@ -73,6 +73,24 @@ class TrainerConfig(_Section):
     (exploration) and lets the IS correction account for the difference."""
     beta: float = Field(0.0, ge=0)
     """KL coefficient to the frozen initial model (k3 estimator); 0 = no reference."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus (TRL's entropy_coef): the loss subtracts this times the mean
+    per-token entropy of the policy over the step's trained tokens, whatever loss_type
+    (pipeline/rl/entropy_control.py). With adaptive_entropy, the initial coefficient.
+    With the bonus on, rows at advantage 0 are forwarded too (they carry entropy)."""
+    adaptive_entropy: bool = False
+    """Skywork-OR1's adaptive entropy control (TRL's use_adaptive_entropy): after each
+    step the coefficient moves up by entropy_coef_delta when the step's entropy was at or
+    below entropy_target and down otherwise, within [entropy_coef_min, entropy_coef_max];
+    it is applied only while the entropy is at or below the target."""
+    entropy_target: float = Field(0.2, ge=0)
+    """Target mean per-token entropy (nats) of adaptive_entropy (TRL's entropy_target)."""
+    entropy_coef_delta: float = Field(0.005, gt=0)
+    """Step of the adaptive coefficient per optimizer step (TRL's entropy_coef_delta)."""
+    entropy_coef_min: float = Field(0.0, ge=0)
+    """Lower bound of the adaptive coefficient (TRL's entropy_coef_min)."""
+    entropy_coef_max: float = Field(1.0, ge=0)
+    """Upper bound of the adaptive coefficient (TRL's entropy_coef_max)."""
     kl_bias_correction: bool = True
     """Multiply the KL term by the policy ratio (TRL's use_bias_correction_kl): the
     unbiased reverse-KL gradient. Only matters when beta > 0."""
@@ -133,6 +151,8 @@ class TrainerConfig(_Section):
     def _check(self) -> TrainerConfig:
         if self.is_clip_min > self.is_clip_max:
             raise ValueError("is_clip_min must be <= is_clip_max")
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError("entropy_coef_min must be <= entropy_coef_max")
         if self.warmup_steps > self.max_steps:
             raise ValueError("warmup_steps must be <= max_steps")
         if self.loss_type == "cispo" and not (self.epsilon_high and self.epsilon_high > 1):

@@ -61,7 +61,7 @@ def split_lm(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 def head_logprobs(head: nn.Module, hidden: Tensor, ids: Tensor, candidates: Tensor | None,
                   temperature: float, fp32_head: bool,
-                  with_entropy: bool) -> tuple[Tensor, Tensor]:
+                  with_entropy: bool, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
     """One chunk: (logprob ``[n]`` of ``ids [n]`` under ``head(hidden [n, H]) / T``,
     entropy ``[n]`` of that distribution, zeros unless ``with_entropy``).
 
@@ -73,7 +73,8 @@ def head_logprobs(head: nn.Module, hidden: Tensor, ids: Tensor, candidates: Tens
     (`candidate_log_softmax`). ``fp32_head``: apply the head in float32 outside autocast,
     on float32 copies of its weights (the chunk is small); logits near ±30 lose ~0.06 to
     bf16 rounding otherwise. Without it the head runs in its own dtype and the logits are
-    then cast to float32. Entropy carries no gradient.
+    then cast to float32. Entropy carries gradient only with ``entropy_grad`` (an
+    entropy bonus in the loss, `pipeline.rl.entropy_control`).
     """
     if fp32_head:
         with torch.autocast(hidden.device.type, enabled=False):
@@ -90,7 +91,9 @@ def head_logprobs(head: nn.Module, hidden: Tensor, ids: Tensor, candidates: Tens
         lp = candidate_log_softmax(logits, ids.unsqueeze(0), candidates.unsqueeze(0),
                                    temperature).squeeze(0)
     ent = torch.zeros(lp.shape[0], device=lp.device)
-    if with_entropy:
+    if with_entropy and entropy_grad:
+        ent = entropy_from_logits(logits / temperature).squeeze(0)
+    elif with_entropy:
         with torch.no_grad():
             ent = entropy_from_logits(logits.detach() / temperature).squeeze(0)
     return lp, ent
@@ -124,7 +127,8 @@ def logprobs_at(logits: Tensor, ids: Tensor, candidates: Tensor | None,
 def chunked_head_logprobs(head: nn.Module, hidden: Tensor, ids: Tensor, *,
                           chunk_tokens: int, temperature: float = 1.0,
                           candidates: Tensor | None = None, fp32_head: bool = True,
-                          with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                          with_entropy: bool = False, entropy_grad: bool = False
+                          ) -> tuple[Tensor, Tensor | None]:
     """(logprobs ``[N]`` float32, entropy ``[N]`` or None without ``with_entropy``) of
     ``ids [N]`` (or ``[N, 1 + k]``, logprobs ``[N, 1 + k]``: `head_logprobs`) given
     gathered hidden states ``[N, H]``: `head_logprobs` on
@@ -139,7 +143,7 @@ def chunked_head_logprobs(head: nn.Module, hidden: Tensor, ids: Tensor, *,
         end = start + chunk_tokens
         args = (head, hidden[start:end], ids[start:end],
                 None if candidates is None else candidates[start:end],
-                temperature, fp32_head, with_entropy)
+                temperature, fp32_head, with_entropy, entropy_grad)
         if torch.is_grad_enabled():
             lp, ent = checkpoint(head_logprobs, *args, use_reentrant=False)
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -128,3 +129,31 @@ def test_train_step_refuses_a_stale_sample_that_slipped_through(
     assert isinstance(sg, ScoredGroup)
     with pytest.raises(StaleSampleError, match="stale"):
         tr.train_step([sg])
+
+
+def test_adaptive_entropy_control_steps_logs_and_survives_a_resume(
+        redis_server: EmbeddedRedis, run_name: str, tmp_path: Path,
+        tiny_model_dir: Path) -> None:
+    """The trainer applies no bonus before it has measured an entropy, then raises the
+    coefficient by delta each step its entropy is under the (here unreachable) target,
+    and a trainer resumed from the checkpoint continues from that coefficient."""
+    from pipeline.bus.codec import decode
+
+    sets = ["trainer.adaptive_entropy=true", "trainer.entropy_coef=0.01",
+            "trainer.entropy_target=100", "trainer.entropy_coef_delta=0.002"]
+    cfg = load_config(None, [*_overrides(_cfg(redis_server, run_name, tmp_path,
+                                                tiny_model_dir)), *sets])
+    tr = Trainer(cfg)
+    groups = [decode(_scored(f"0:{i}", 0)) for i in range(2)]
+    first = tr.train_step(groups)  # type: ignore[arg-type]
+    second = tr.train_step(groups)  # type: ignore[arg-type]
+    assert first["entropy_coef_applied"] == 0.0 and first["entropy_coef"] == pytest.approx(0.012)
+    assert second["entropy_coef_applied"] == pytest.approx(0.012)
+    assert second["entropy_coef"] == pytest.approx(0.014)
+    assert math.isfinite(second["entropy"]) and second["entropy"] > 0
+    tr.state.step = 2
+    tr.checkpoint()
+    again = Trainer(cfg)
+    assert again.load_checkpoint() is not None
+    assert again.entropy.coef == pytest.approx(0.014)
+    assert again.entropy.applied() == pytest.approx(0.014)  # its last entropy came too
