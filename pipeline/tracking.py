@@ -67,6 +67,7 @@ TRL_NAMES: dict[str, str] = {
     "completions/min_length": "completions/min_length",
     "completions/max_length": "completions/max_length",
     "completions/clipped_ratio": "completions/clipped_ratio",
+    "entropy_coef": "entropy_coef",
 }
 """sluice's ``metrics.jsonl`` key -> TRL 1.16 ``GRPOTrainer``'s logged name for the same
 quantity (``reward/<fn>`` -> ``rewards/<fn>/mean`` and ``reward/<fn>/<stat>`` ->
