@@ -12,15 +12,15 @@ beat's wall time ``t``. The trainer reads the generator heartbeats once per step
 - ``rollout/concurrency`` = Σ over generators and their servers of ``inflight``;
 - ``rollout/concurrency_cap`` = Σ of ``caps``; both absent when no generator reports
   them (the in-process engine);
-- ``rollout/generated_tok_s`` = Σ over generators of Δtokens / Δt between the last two
-  distinct beats seen of each, on its own clock (a beat's ``t`` is its own writer's).
-  Steps are often faster than beats (``bus.heartbeat_s``): a generator whose beat has not
-  moved since the previous update keeps the rate of its last two beats, so the series
-  does not flicker to 0 between beats; a generator that is alive but idle beats with an
-  unchanged count and shows 0. A generator counts once two of its beats were seen; one
-  whose count went down (a new process under the same id: counters start at 0) counts
-  from that beat on; one absent from the beats (gone, its beat expired) is forgotten.
-  Absent until some generator has a rate.
+- ``rollout/generated_tok_s`` = Σ over generators of Δtokens / Δt over each generator's
+  beats of the last ``window_s`` (60 s) seconds, on its own clock (a beat's ``t`` is its
+  own writer's). A generator adds a group's tokens to its count when the group is done,
+  so over one beat interval (``bus.heartbeat_s``, 2 s) the count mostly stands still and
+  then jumps: the window spans many groups. It runs from the oldest beat seen within the
+  window (or just before it) to the newest, so a generator counts once two of its beats
+  were seen; one alive but idle shows 0; one whose count went down (a new process under
+  the same id: counters start at 0) starts over; one absent from the beats (gone, its
+  beat expired) is forgotten. Absent until some generator has a rate.
 
 Pure: no Redis, no clock; the trainer hands in what it read.
 """
@@ -41,10 +41,10 @@ def _sum_values(x: Any) -> float | None:
 
 @dataclass
 class RolloutMeter:
-    seen: dict[str, tuple[float, int]] = field(default_factory=dict)
-    """Generator id -> (beat time s, tokens) of the newest beat seen."""
-    rates: dict[str, float] = field(default_factory=dict)
-    """Generator id -> tokens/s between its last two distinct beats."""
+    window_s: float = 60.0
+    seen: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    """Generator id -> its distinct beats (time s, tokens), oldest first, spanning at
+    least ``window_s`` once it has run that long."""
 
     def update(self, beats: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
         """The ``rollout/*`` series for the generator heartbeats ``beats`` (id -> beat)."""
@@ -63,21 +63,23 @@ class RolloutMeter:
                 self._beat(wid, float(t), tokens)
         for gone in set(self.seen) - set(beats):
             self.seen.pop(gone)
-            self.rates.pop(gone, None)
+        rates = [(h[-1][1] - h[0][1]) / (h[-1][0] - h[0][0])
+                 for h in self.seen.values() if len(h) > 1]
         if running:
             out["rollout/concurrency"] = sum(running)
         if caps:
             out["rollout/concurrency_cap"] = sum(caps)
-        if self.rates:
-            out["rollout/generated_tok_s"] = sum(self.rates.values())
+        if rates:
+            out["rollout/generated_tok_s"] = sum(rates)
         return out
 
     def _beat(self, wid: str, t: float, tokens: int) -> None:
-        prev = self.seen.get(wid)
-        if prev is not None and t <= prev[0]:
-            return  # the same beat as last time: keep its rate
-        if prev is not None and tokens >= prev[1]:
-            self.rates[wid] = (tokens - prev[1]) / (t - prev[0])
-        else:  # first sight, or a new process under the same id: no rate yet
-            self.rates.pop(wid, None)
-        self.seen[wid] = (t, tokens)
+        history = self.seen.setdefault(wid, [])
+        if history and t <= history[-1][0]:
+            return  # the same beat as last time
+        if history and tokens < history[-1][1]:
+            history.clear()  # a new process under the same id: its count restarted
+        history.append((t, tokens))
+        # keep the newest beat at or before the window's start, and everything after it
+        while len(history) > 2 and history[1][0] <= t - self.window_s:
+            history.pop(0)
