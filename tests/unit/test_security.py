@@ -154,13 +154,19 @@ def test_each_writing_role_is_granted_only_its_own_op_namespace() -> None:
 
 def test_each_role_may_write_only_its_own_roles_heartbeats() -> None:
     """`sluice up` and `sluice status` act on heartbeats: a scorer must not fake or erase
-    the trainer's. Only `monitor` (read-only) and `admin` see them all."""
+    the trainer's. Only `monitor` (read-only) and `admin` see them all; the trainer also
+    reads (only reads) the generators', for its rollout/* series."""
     k = Keys("demo")
     text = render(TEMPLATE.read_text(), k.prefix, {r: "pw" for r in ROLES})
     users = {line.split()[1]: line for line in text.splitlines()}
     for role in ROLES:
-        granted = set(re.findall(r"~(sluice:\{demo\}:workers[\w:*]*)", users[username(role)]))
-        assert granted == ({k.heartbeats(role)} if role in HEARTBEAT_ROLES else set()), role
+        line = users[username(role)]
+        writes = set(re.findall(r"%W~(sluice:\{demo\}:workers[\w:*]*)", line))
+        reads = set(re.findall(r"%R~(sluice:\{demo\}:workers[\w:*]*)", line))
+        plain = set(re.findall(r"[ (]~(sluice:\{demo\}:workers[\w:*]*)", line))
+        assert writes == ({k.heartbeats(role)} if role in HEARTBEAT_ROLES else set()), role
+        assert not plain, role  # nobody but monitor/admin gets read-write on all
+        assert reads == ({k.heartbeats("generator")} if role == "trainer" else set()), role
 
 
 def test_template_fails_closed() -> None:
