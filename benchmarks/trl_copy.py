@@ -17,6 +17,7 @@ held-out evaluation through sluice's evaluator code on a copy of the model),
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import json
 import os
@@ -27,10 +28,12 @@ from typing import Any
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+import numpy as np
 import torch
 from transformers import TrainerCallback
 
 from pipeline.model import load_model
+from trainer.stats import zero_std_split
 from workers.engines.transformers import TransformersEngine
 from workers.evaluator import evaluate
 from workers.tasks.catalog import make_task
@@ -46,7 +49,9 @@ def copy_reward(prompts: list, completions: list, completion_ids: list, answer: 
     """sluice's copy reward under TRL's call convention (eos kept in completion_ids)."""
     eos = copy_reward.eos_id  # type: ignore[attr-defined]
     fin = ["stop" if ids and ids[-1] == eos else "length" for ids in completion_ids]
-    return match_reward(completions=completions, answer=answer, finish_reason=fin)
+    out = match_reward(completions=completions, answer=answer, finish_reason=fin)
+    copy_reward.last = out  # type: ignore[attr-defined]  # MeasuredGRPO's zero-std split
+    return out
 
 
 class HeldoutEval:
@@ -130,6 +135,71 @@ class EvalClock(TrainerCallback):
                 control.should_training_stop = True
 
 
+class MeasuredGRPO:
+    """Mixed into TRL's ``GRPOTrainer`` (`measured_trainer`): logs, next to TRL's own
+    metrics, the two figures sluice's mechanism table compares on the same footing —
+    ``entropy/adv_nonzero`` (mean token entropy over completions with a non-zero
+    advantage: TRL's ``entropy`` covers every completion, sluice forwards only these at
+    β = 0) and the ``frac_reward_zero_std/solved|stuck`` split (`trainer.stats`), from the
+    reward function's last call (``reward_fn.last``: one generation batch, groups
+    contiguous, as TRL's sampler orders them). TRL's loss and updates are untouched."""
+
+    reward_fn: Any = None
+    pass_threshold: float = 1.0
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kw: Any) -> Any:
+        out = super()._get_per_token_logps_and_entropies(*args, **kw)  # type: ignore[misc]
+        self._entropies = out[1]
+        return out
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
+        self._entropies = None
+        loss = super()._compute_loss(model, inputs)  # type: ignore[misc]
+        ent, adv = self._entropies, inputs["advantages"]
+        if ent is not None and self.model.training:
+            rows = (adv != 0) if adv.dim() == 1 else (adv != 0).any(dim=1)
+            m = inputs["completion_mask"] * rows[:, None]
+            if float(m.sum()) > 0:
+                self._metrics["train"]["entropy/adv_nonzero"].append(
+                    float((ent.detach() * m).sum() / m.sum()))
+        return loss
+
+    def _generate_and_score_completions(self, inputs: Any) -> Any:
+        out = super()._generate_and_score_completions(inputs)  # type: ignore[misc]
+        last = getattr(self.reward_fn, "last", None)
+        if last and self.model.training:
+            g = self.num_generations
+            split = zero_std_split([np.asarray(last[i:i + g], dtype=float)
+                                    for i in range(0, len(last), g)], self.pass_threshold)
+            for k in ("frac_reward_zero_std/solved", "frac_reward_zero_std/stuck"):
+                self._metrics["train"][k].append(split[k])
+        return out
+
+
+def measured_trainer(reward_fn: Any, pass_threshold: float = 1.0) -> type:
+    """TRL's ``GRPOTrainer`` with `MeasuredGRPO` mixed in."""
+    from trl import GRPOTrainer
+
+    return type("MeasuredGRPOTrainer", (MeasuredGRPO, GRPOTrainer),
+                {"reward_fn": reward_fn, "pass_threshold": pass_threshold})
+
+
+def config_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``--config KEY=VALUE`` pairs as ``GRPOConfig`` keyword arguments (values read as
+    Python literals where they parse, e.g. ``use_adaptive_entropy=True``, else strings:
+    ``scale_rewards=none``)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--config wants KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key] = raw
+    return out
+
+
 def train_profiled(tr: Any, clock: EvalClock, out: Path, per_step: int,
                    extra: dict[str, Any] | None = None) -> None:
     """``tr.train()`` with the seconds spent in TRL's generation + scoring
@@ -175,6 +245,9 @@ def main() -> None:
     p.add_argument("--heldout", type=int, default=256)
     p.add_argument("--log-every", type=int, default=25,
                    help="TRL logging_steps: its metrics, averaged, every this many steps")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="a GRPOConfig field over this script's settings (an ablation: "
+                        "scale_rewards=none, use_adaptive_entropy=True, adam_beta1=0.8)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -182,7 +255,7 @@ def main() -> None:
     (a.out / "metrics.jsonl").unlink(missing_ok=True)
 
     import datasets
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
     task = make_task("copy", seed=a.seed, num_prompts=20_000)  # = task.num_prompts default
     heldout = task.heldout(a.heldout)
@@ -192,7 +265,7 @@ def main() -> None:
     model, tok = load_model(a.model)
     model.train()
     copy_reward.eos_id = tok.eos_token_id  # type: ignore[attr-defined]
-    cfg = GRPOConfig(
+    settings: dict[str, Any] = dict(
         output_dir=str(a.out / "trl"), per_device_train_batch_size=a.completions_per_step,
         num_generations=a.num_generations, max_completion_length=a.max_new_tokens,
         learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
@@ -202,11 +275,13 @@ def main() -> None:
         temperature=1.0, max_steps=10**6, save_strategy="no", logging_steps=a.log_every,
         report_to="none", bf16=False, use_cpu=True, seed=a.seed, disable_tqdm=True,
         gradient_checkpointing=False)  # GRPOConfig's default is True (slower); sluice's off
+    cfg = GRPOConfig(**{**settings, **config_overrides(a.config)})
     held = HeldoutEval(a.model, heldout, a.max_new_tokens, EVAL_REWARDS)
     clock = EvalClock(a.out, lambda m: held(m.state_dict()), a.eval_every_s, a.budget_s,
                       a.target, a.completions_per_step)
-    tr = GRPOTrainer(model=model, reward_funcs=[copy_reward], args=cfg, train_dataset=ds,
-                     processing_class=tok, callbacks=[clock])
+    tr = measured_trainer(copy_reward)(model=model, reward_funcs=[copy_reward], args=cfg,
+                                       train_dataset=ds, processing_class=tok,
+                                       callbacks=[clock])
     train_profiled(tr, clock, a.out, a.completions_per_step)
 
 

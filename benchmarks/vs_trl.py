@@ -21,8 +21,20 @@ Arms:
 * ``s<N>``: ``sluice up examples/copy.toml`` at ``trainer.max_staleness`` N with the
   example's other settings (``--set`` overrides from ``--sluice-set`` apply to every
   sluice arm).
+* ``none``, ``ent``, ``b08`` and their TRL twins ``trl-none``, ``trl-ent``, ``trl-b08``:
+  the ablations of `ABLATIONS` (rewards not scaled by the group std, adaptive entropy
+  control, AdamW β1 0.8), the same change on both sides.
 * ``--arm NAME=key=value;key=value``: a sluice arm with its own ``--set`` overrides on
-  top of s1's (an ablation, e.g. ``keep=scoring.zero_variance=train``).
+  top of s1's (an ablation, e.g. ``keep=scoring.zero_variance=train``);
+  ``--arm NAME=trl:field=value`` a TRL arm with ``GRPOConfig`` fields.
+
+Runs go seed by seed, the arms interleaved and their order reversed on every other seed
+(ABBA, `run_order`). The ablation screen as one command, resumable (a finished run is
+saved at once; rerun the same command after an interruption):
+
+    .venv/bin/python benchmarks/vs_trl.py --arms trl,s1,s0,none,trl-none,ent,trl-ent \
+        --seeds 0,1,2 --budget-s 300 --out runs/bench_ablation \
+        --results benchmarks/results/ablation.json
 
 Each run stops at ``--target`` held-out exact match or after ``--budget-s``. Clocks start
 at each run's step-0 evaluation (imports and start-up are not counted on either side).
@@ -47,8 +59,10 @@ and staleness over each run's first and last quarter, with step and sample rates
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import platform
 import shutil
 import signal
 import statistics
@@ -64,7 +78,13 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script (the docstring's commands) or with -m
 
-from benchmarks.vs_trl_report import common_samples, first, mechanism, report  # noqa: E402
+from benchmarks.vs_trl_report import (  # noqa: E402
+    binned,
+    common_samples,
+    first,
+    mechanism,
+    report,
+)
 from sluice.report import read_jsonl  # noqa: E402
 
 PY = sys.executable
@@ -77,7 +97,9 @@ def common_args(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_trl(a: argparse.Namespace, model: Path, out: Path, seed: int, threads: int,
-            budget_s: float) -> dict[str, Any]:
+            budget_s: float, config: dict[str, str] | None = None) -> dict[str, Any]:
+    """One TRL run; ``config``: ``GRPOConfig`` fields over ``trl_copy.py``'s (an
+    ablation arm's)."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cmd = [PY, str(ROOT / "benchmarks" / "trl_copy.py"), "--out", str(out), "--model",
@@ -85,6 +107,8 @@ def run_trl(a: argparse.Namespace, model: Path, out: Path, seed: int, threads: i
            "--eval-every-s", str(a.eval_every_s), "--target", str(a.target),
            "--threads", str(threads), "--beta", str(a.beta), "--lr", str(a.lr),
            "--adam-beta2", str(a.adam_beta2)]
+    for k, v in (config or {}).items():
+        cmd += ["--config", f"{k}={v}"]
     with open(out / "run.log", "w") as log:
         subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
     return trl_result(out, threads)
@@ -113,10 +137,11 @@ def trl_result(out: Path, threads: int, metric: str = "reward") -> dict[str, Any
     that clock."""
     prof = json.loads((out / "profile.json").read_text())
     evals = read_jsonl(out / "eval.jsonl")
+    rows = read_jsonl(out / "metrics.jsonl")
     return {"evals": [{"t": e["t"], "samples": e["samples"], "step": e["step"],
                        "exact": e["pass@1"], "reward": e[metric], "parts": parts_of(e)}
                       for e in evals],
-            "mech": mechanism(read_jsonl(out / "metrics.jsonl")),
+            "mech": mechanism(rows), "series": binned(rows),
             "steps": prof["steps"], "steps_per_s": prof["steps"] / max(prof["train_clock_s"], 1e-9),
             "threads": threads,
             "profile": {"generate+score": prof["generate_and_score_s"],
@@ -202,7 +227,7 @@ def run_sluice(a: argparse.Namespace, model: Path, out: Path, seed: int,
     last = metrics[-1] if metrics else {}
     late = [m for m in metrics if m["step"] >= 0.8 * last.get("step", 0)] or [{}]
     return {"evals": rows, "steps": last.get("step", 0), "profile": by_role,
-            "mech": mechanism(metrics),
+            "mech": mechanism(metrics), "series": binned(metrics),
             "steps_per_s": last.get("step", 0) / max(rows[-1]["t"], 1e-9) if rows else None,
             "late": {k: statistics.fmean(vals) for k in ("entropy", "grad_norm",
                                                           "staleness_mean")
@@ -238,32 +263,78 @@ def probe_fastest(run: Callable[[Any], dict[str, Any]], settings: Sequence[Any]
     return max(rates, key=lambda t: rates[t]), rates
 
 
-def parse_arms(a: argparse.Namespace) -> dict[str, dict[str, str] | None]:
-    """Arm name -> sluice ``--set`` overrides (None for TRL arms)."""
-    custom = {}
+ABLATIONS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
+    "none": ({"scoring.scale_rewards": "none"}, {"scale_rewards": "none"}),
+    "ent": ({"trainer.adaptive_entropy": "true"}, {"use_adaptive_entropy": "True"}),
+    "b08": ({"trainer.adam_betas": "[0.8,0.99]"}, {"adam_beta1": "0.8"}),
+}
+"""The ablations at TRL's settings, each on both sides: arm ``X`` is sluice (staleness
+1, the example's) with the first overrides (``sluice up --set``), ``trl-X`` is TRL with
+the second (``GRPOConfig`` fields): rewards not scaled by the group's std (Dr. GRPO),
+adaptive entropy control (TRL 1.16's defaults: target 0.2, step 0.005, from 0), AdamW
+β1 0.8. ``s0`` (staleness 0) has no TRL twin: TRL is synchronous already."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """A run recipe: TRL (``trl`` set: its ``GRPOConfig`` overrides; ``threads`` 0 = the
+    probed count) or sluice (``sets``: ``sluice up --set`` overrides on top of s1's)."""
+
+    sets: dict[str, str] | None = None
+    trl: dict[str, str] | None = None
+    threads: int = 0
+
+
+def parse_arms(a: argparse.Namespace) -> dict[str, Arm]:
+    """Arm name -> recipe: ``trl``, ``trl1``/``trl2`` (a thread count), ``trl#N`` (TRL
+    again on the same seeds: the noise), ``s<N>`` (staleness N), ``sluice`` (the example
+    as it is), an `ABLATIONS` name or ``trl-<name>``, or one ``--arm NAME=K=V;K=V``
+    (sluice overrides; ``NAME=trl:K=V;K=V`` for TRL ``GRPOConfig`` fields)."""
+    custom: dict[str, Arm] = {}
     for spec in a.arm:
         name, _, sets = spec.partition("=")
-        custom[name] = dict(kv.split("=", 1) for kv in sets.split(";") if kv)
-    arms: dict[str, dict[str, str] | None] = {}
+        is_trl = sets.startswith("trl:")
+        pairs = dict(kv.split("=", 1) for kv in sets.removeprefix("trl:").split(";") if kv)
+        custom[name] = Arm(trl=pairs) if is_trl else Arm(sets=pairs)
+    arms: dict[str, Arm] = {}
     for name in a.arms.split(","):
-        if name in ("trl", "trl1", "trl2") or name.startswith("trl#"):
-            arms[name] = None  # trl#2, trl#3: TRL again on the same seeds (the noise)
-        elif name in custom:
+        if name in custom:
             arms[name] = custom[name]
+        elif name == "trl" or name.startswith("trl#"):
+            arms[name] = Arm(trl={})
+        elif name in ("trl1", "trl2"):
+            arms[name] = Arm(trl={}, threads=int(name[3]))
+        elif name.startswith("trl-") and name[4:] in ABLATIONS:
+            arms[name] = Arm(trl=ABLATIONS[name[4:]][1])
+        elif name in ABLATIONS:
+            arms[name] = Arm(sets=ABLATIONS[name][0])
         elif name == "sluice":
-            arms[name] = {}  # the example as it is (vs_trl_real.py)
+            arms[name] = Arm(sets={})  # the example as it is (vs_trl_real.py)
         elif name.startswith("s") and name[1:].isdigit():
-            arms[name] = {"trainer.max_staleness": name[1:]}
+            arms[name] = Arm(sets={"trainer.max_staleness": name[1:]})
         else:
-            raise SystemExit(f"unknown arm {name!r}: trl, trl1, trl2, trl#N, sluice, s<N> "
-                             "or one --arm names")
+            raise SystemExit(f"unknown arm {name!r}: trl, trl1, trl2, trl#N, sluice, s<N>, "
+                             f"{', '.join(ABLATIONS)}, trl-<ablation> or one --arm names")
     return arms
+
+
+def run_order(arms: Sequence[str], seeds: Sequence[int]) -> list[tuple[str, int]]:
+    """(arm, seed) runs, the arms interleaved within each seed and their order reversed
+    on every other seed (ABBA: A B C, C B A, A B C, ...), so slow drift of the machine
+    (thermal, neighbours) falls on every arm alike instead of on whichever ran last."""
+    order = []
+    for i, seed in enumerate(seeds):
+        order += [(name, seed) for name in (arms if i % 2 == 0 else list(reversed(arms)))]
+    return order
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_vs_trl")
+    p.add_argument("--results", type=Path, default=None,
+                   help="the results file (default OUT/results.json): every finished run "
+                        "with its curves and mechanism series; runs in it are not repeated")
     p.add_argument("--arms", default="trl,s1")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=K=V;K=V")
     p.add_argument("--seeds", default="0,1,2,3,4")
@@ -284,7 +355,7 @@ def main() -> None:
     p.add_argument("--report-only", action="store_true")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / "results.json"
+    path = a.results or a.out / "results.json"
     saved = json.loads(path.read_text()) if path.exists() else {"runs": {}}
     res: dict[str, dict[str, dict[str, Any]]] = saved["runs"]
     if a.report_only:
@@ -294,35 +365,54 @@ def main() -> None:
         return
     arms = parse_arms(a)
     seeds = [int(s) for s in a.seeds.split(",")]
-    threads = a.trl_threads
-    if "trl" in arms and not threads:
+    threads = a.trl_threads or int(saved.get("trl_threads", 0))
+    todo = [(n, s) for n, s in run_order(list(arms), seeds)
+            if a.redo or str(s) not in res.get(n, {})]
+    if not threads and any(arms[n].trl is not None and not arms[n].threads for n, _ in todo):
         threads, rates = probe_trl_threads(a, model_for(a, 0))
         saved["trl_threads_probe"] = {str(k): v for k, v in rates.items()}
-    for name, overrides in arms.items():
-        for seed in seeds:
-            if str(seed) in res.get(name, {}) and not a.redo:
-                continue
-            print(f"== {name} seed {seed} (budget {a.budget_s:.0f}s)", flush=True)
-            model, out = model_for(a, seed), a.out / f"{name}-seed{seed}"
-            if overrides is None:
-                n = int(name[3:]) if name[3:].isdigit() else threads
-                r = run_trl(a, model, out, seed, n, a.budget_s)
-            else:
-                r = run_sluice(a, model, out, seed, overrides)
-            r["sets"] = overrides
-            res.setdefault(name, {})[str(seed)] = r
-            best = max((e["exact"] for e in r["evals"]), default=0.0)
-            hit = first(r["evals"], a.target)
-            at = "not reached" if hit is None else f"reached at {hit['t']:.0f}s"
-            print(f"   best exact {best:.3f}; target {at}", flush=True)
-            saved["args"] = {"cpus": os.cpu_count(), **common_args(a),
-                             "budget_s": a.budget_s, "target": a.target,
-                             "sluice_set": a.sluice_set}
-            path.write_text(json.dumps(saved, indent=1))
+        saved["trl_threads"] = threads  # a resumed run keeps the probed count
+    for i, (name, seed) in enumerate(todo):
+        arm = arms[name]
+        print(f"== [{i + 1}/{len(todo)}] {name} seed {seed} (budget {a.budget_s:.0f}s)",
+              flush=True)
+        model, out = model_for(a, seed), a.out / f"{name}-seed{seed}"
+        if arm.trl is not None:
+            r = run_trl(a, model, out, seed, arm.threads or threads, a.budget_s, arm.trl)
+        else:
+            r = run_sluice(a, model, out, seed, arm.sets or {})
+        r["sets"] = arm.sets if arm.trl is None else {"trl": arm.trl}
+        r["machine"] = machine()
+        res.setdefault(name, {})[str(seed)] = r
+        best = max((e["exact"] for e in r["evals"]), default=0.0)
+        hit = first(r["evals"], a.target)
+        at = "not reached" if hit is None else f"reached at {hit['t']:.0f}s"
+        print(f"   best exact {best:.3f}; target {at}", flush=True)
+        saved["args"] = {"cpus": os.cpu_count(), **common_args(a),
+                         "budget_s": a.budget_s, "target": a.target,
+                         "sluice_set": a.sluice_set}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")  # a kill mid-write leaves the last good file
+        tmp.write_text(json.dumps(saved, indent=1))
+        tmp.replace(path)
     print(f"\ncpus={os.cpu_count()} {common_args(a)} target={a.target} "
           f"TRL threads={threads or '-'} probe={saved.get('trl_threads_probe')}")
     print("\n".join(report(res, a.target, a.budget_s,
                                   a.auc_samples or common_samples(res, a.target) or 1000)))
+
+
+def machine() -> str:
+    """The CPU model and core count a run had (results gathered over several sessions
+    may come from different machines; the report should say which)."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cpus"
 
 
 def model_for(a: argparse.Namespace, seed: int) -> Path:

@@ -17,11 +17,56 @@ Results = dict[str, dict[str, dict[str, Any]]]  # arm -> seed -> run
 
 # metrics read from each run's metrics rows (sluice: metrics.jsonl; TRL: its logs), with
 # the name printed; TRL's own names where they exist
-MECHANISM = [("entropy", "H"), ("clip_ratio/region_mean", "clip"),
-             ("is_ratio/outside_frac", "IS_out"), ("frac_reward_zero_std", "flat"),
+MECHANISM = [("entropy/adv_nonzero", "H_adv"), ("entropy", "H"),
+             ("clip_ratio/region_mean", "clip"), ("is_ratio/outside_frac", "IS_out"),
+             ("frac_reward_zero_std/solved", "solved"), ("frac_reward_zero_std/stuck", "stuck"),
              ("grad_norm", "|g|"), ("logprob_diff/mean_abs", "dlogp"),
              ("staleness_mean", "stale"), ("is_ratio/min", "IS_min"),
              ("is_ratio/max", "IS_max"), ("sampling/sampler_mass", "mass")]
+SERIES_EVERY = 25
+"""Steps per point of a run's stored mechanism series: TRL logs its metrics averaged over
+``logging_steps`` = 25 (``trl_copy.py``), and sluice's per-step rows are averaged over
+the same bins (`binned`), so both sides' points cover the same steps."""
+
+
+def base_arm(res: Results) -> str | None:
+    """The arm others are paired with: ``trl`` if present, else the first TRL arm, else
+    the first arm (independent of the order runs finished in)."""
+    if "trl" in res:
+        return "trl"
+    return next((n for n in res if n.startswith("trl")), next(iter(res), None))
+
+
+def _means(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each `MECHANISM` metric's NaN-aware mean over ``rows`` (absent ones omitted)."""
+    vals = {}
+    for key, _ in MECHANISM:
+        xs = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)
+              and not math.isnan(float(r[key]))]
+        if xs:
+            vals[key] = statistics.fmean(xs)
+    return vals
+
+
+def binned(rows: list[dict[str, Any]], every: int = SERIES_EVERY) -> list[dict[str, Any]]:
+    """Per-step metric rows as a series of `MECHANISM` means over bins of ``every`` steps,
+    each point at its bin's last step (steps 1..25 -> 25), as TRL's logging averages;
+    a partial last bin is kept at its own last step."""
+    bins: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        if isinstance(r.get("step"), int) and r["step"] > 0:
+            bins.setdefault(-(-r["step"] // every) * every, []).append(r)
+    return [{"step": min(end, max(r["step"] for r in part)), **_means(part)}
+            for end, part in sorted(bins.items())]
+
+
+def mechanism_at(series: list[dict[str, Any]], end_step: float
+                 ) -> dict[str, dict[str, float]]:
+    """`MECHANISM` means over the steps (0, end/4] ("early") and (3/4 end, end] ("late")
+    of a run's series: with the same ``end_step`` for every run, each side is measured
+    at the same step and sample positions."""
+    return {"early": _means([r for r in series if 0 < r["step"] <= end_step / 4]),
+            "late": _means([r for r in series if 0.75 * end_step < r["step"] <= end_step])}
 
 
 def common_samples(res: Results, target: float) -> float:
@@ -47,16 +92,7 @@ def mechanism(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     if not rows:
         return {}
     n = max(1, len(rows) // 4)
-    out: dict[str, dict[str, float]] = {}
-    for phase, part in (("early", rows[:n]), ("late", rows[-n:])):
-        vals = {}
-        for key, _ in MECHANISM:
-            xs = [float(r[key]) for r in part if isinstance(r.get(key), int | float)
-                  and not math.isnan(float(r[key]))]
-            if xs:
-                vals[key] = statistics.fmean(xs)
-        out[phase] = vals
-    return out
+    return {"early": _means(rows[:n]), "late": _means(rows[-n:])}
 
 
 def med(xs: list[float]) -> float:
@@ -86,7 +122,7 @@ def arm_hits(runs: list[dict[str, Any]], thr: float, key: str) -> dict[str, list
 def thresholds(res: dict[str, dict[str, dict[str, Any]]], target: float) -> list[str]:
     """Time, samples and steps to each held-out threshold, per arm (median [min-max])."""
     lines: list[str] = []
-    base_arm = next((n for n in res if n.startswith("trl")), None)
+    base = base_arm(res)
     rows = [("exact", target)] + [("exact", t) for t in EXACT_TARGETS if t < target] + \
         [("reward", t) for t in REWARD_TARGETS]
     for key, thr in rows:
@@ -95,14 +131,14 @@ def thresholds(res: dict[str, dict[str, dict[str, Any]]], target: float) -> list
         hdr = (f"  {'arm':<10} {'reached':>7} {'time s':>22} {'samples':>26} {'steps':>20}"
                f" {'time/TRL':>9} {'samples/TRL':>11}")
         lines += [hdr, "  " + "-" * (len(hdr) - 2)]
-        base = arm_hits(list(res[base_arm].values()), thr, key) if base_arm else None
+        hits0 = arm_hits(list(res[base].values()), thr, key) if base else None
         for name, seeds in res.items():
             h = arm_hits(list(seeds.values()), thr, key)
             reached = sum(x != float("inf") for x in h["t"])
             rt = rs = "-"
-            if base and name != base_arm and med(h["t"]) < float("inf") > med(base["t"]):
-                rt = f"{med(h['t']) / med(base['t']):.2f}"
-                rs = f"{med(h['samples']) / med(base['samples']):.2f}"
+            if hits0 and name != base and med(h["t"]) < float("inf") > med(hits0["t"]):
+                rt = f"{med(h['t']) / med(hits0['t']):.2f}"
+                rs = f"{med(h['samples']) / med(hits0['samples']):.2f}"
             lines.append(f"  {name:<10} {reached:>3}/{len(seeds):<3} {span(h['t'], '.0f'):>22} "
                          f"{span(h['samples'], '.0f'):>26} {span(h['step'], '.0f'):>20} "
                          f"{rt:>9} {rs:>11}")
@@ -153,11 +189,12 @@ def areas(res: Results, budget_s: float, samples: float) -> list[str]:
     ([0, budget_s]) and against samples ([0, samples]): per arm the mean over seeds with
     a 95% Student-t interval, and against the baseline arm (TRL's, else the first) the
     paired difference (same seeds) with its t interval and the exact sign-flip p-value
-    (`benchmarks.curves`)."""
+    (`benchmarks.curves`); an arm ``X`` is also paired with ``trl-X`` (the same ablation
+    on TRL's side) where that arm ran."""
     lines = ["area under the held-out reward curve = its mean over the span; 95% t intervals "
              "over seeds (none with one seed); 'vs' pairs the seeds, p = exact sign-flip "
              "test (its floor is 2/2^seeds)"]
-    base = next((n for n in res if n.startswith("trl")), next(iter(res), None))
+    base = base_arm(res)
     for x, span_x, unit in (("t", budget_s, "s"), ("samples", samples, "samples")):
         lines.append(f"  against {unit}, over [0, {span_x:g}]:")
         per_arm = {name: {seed: area(curve(r["evals"], x, "reward"), span_x)
@@ -165,14 +202,16 @@ def areas(res: Results, budget_s: float, samples: float) -> list[str]:
         for name, by_seed in per_arm.items():
             m, lo, hi = mean_ci(list(by_seed.values()))
             row = f"    {name:<10} {m:.3f} [{lo:.3f}, {hi:.3f}] over {len(by_seed)} seeds"
-            if base and name != base:
-                common = sorted(set(by_seed) & set(per_arm[base]))
+            # against the base arm, and an ablation against its TRL twin (``trl-<name>``)
+            for other in dict.fromkeys(o for o in (base, f"trl-{name}")
+                                       if o and o != name and o in per_arm):
+                common = sorted(set(by_seed) & set(per_arm[other]))
                 if common:
                     a = [by_seed[s] for s in common]
-                    b = [per_arm[base][s] for s in common]
+                    b = [per_arm[other][s] for s in common]
                     d, dlo, dhi = paired_ci(a, b)
                     p = sign_flip_p([x - y for x, y in zip(a, b, strict=True)])
-                    row += (f"   vs {base}: {d:+.3f} [{dlo:+.3f}, {dhi:+.3f}] p={p:.3g} "
+                    row += (f"   vs {other}: {d:+.3f} [{dlo:+.3f}, {dhi:+.3f}] p={p:.3g} "
                             f"({len(common)} seeds)")
             lines.append(row)
     return [*lines, ""]
@@ -197,19 +236,35 @@ def per_seed_curves(res: Results, budget_s: float, samples: float) -> list[str]:
     return lines
 
 
+def common_end_step(res: Results) -> int:
+    """The last step every run with a stored series reached (0 if none has one)."""
+    ends = [r["series"][-1]["step"] for seeds in res.values() for r in seeds.values()
+            if r.get("series")]
+    return min(ends) if ends else 0
+
+
 def mechanism_table(res: Results) -> list[str]:
-    """The `MECHANISM` metrics of each run, early and late."""
+    """The `MECHANISM` metrics of each run, early and late: at the same steps for every
+    run with a stored series (`mechanism_at` up to `common_end_step`), else (older
+    results) over each run's own first / last quarter."""
     names = [short for _, short in MECHANISM]
-    lines = ["mechanism: each run's metrics averaged over its first / last quarter of logged "
-             "steps (H entropy nats/token, clip = PPO clip fraction, IS_out = tokens the IS "
-             "correction truncates, flat = zero-variance groups, |g| grad norm, dlogp = "
+    end = common_end_step(res)
+    where = (f"steps (0, {end / 4:g}] and ({0.75 * end:g}, {end}], the same for every run "
+             "(the last step all runs reached; samples = 64 x steps on both sides)"
+             if end else "each run's first / last quarter of logged steps")
+    lines = [f"mechanism: each run's metrics averaged over {where} (H_adv = entropy "
+             "nats/token over completions with non-zero advantage, the same tokens on both "
+             "sides; H = each side's own entropy figure; clip = PPO clip fraction, IS_out = "
+             "tokens the IS correction truncates, solved / stuck = share of groups all "
+             "passing / all equal below the pass mark, |g| grad norm, dlogp = "
              "|trained - behaviour| nats/token, stale = versions, IS_min / IS_max = each "
              "step's smallest / largest raw IS ratio, mass = the sampler's top-k "
              "probability mass where score centering ran); steps/s, samples/s",
              f"  {'arm':<10} {'seed':>4} {'phase':<6}" + "".join(f"{n:>8}" for n in names)]
     for name, seeds in res.items():
         for seed, r in seeds.items():
-            mech = r.get("mech") or {}
+            mech = (mechanism_at(r["series"], end) if end and r.get("series")
+                    else r.get("mech") or {})
             for phase in ("early", "late"):
                 vals = mech.get(phase, {})
                 lines.append(f"  {name:<10} {seed:>4} {phase:<6}" + "".join(

@@ -21,19 +21,32 @@ def step_tokens(groups: list[ScoredGroup]) -> int:
                + sum(len(r.completion_ids) for r in g.group.rollouts) for g in groups)
 
 
-def rollout_stats(groups: list[ScoredGroup]) -> dict[str, float]:
+def rollout_stats(groups: list[ScoredGroup], pass_threshold: float = 1.0) -> dict[str, float]:
     """Completion lengths, the clipped fraction and the fraction of groups whose rewards
-    are all equal (zero std: advantage 0 everywhere), over the step's groups."""
+    are all equal (zero std: advantage 0 everywhere), over the step's groups, split into
+    *solved* (every completion's total reward ≥ ``pass_threshold``, the evaluator's pass
+    rule: nothing left to learn on that prompt) and *stuck* (all equal below it: no
+    signal to learn from); ``solved + stuck = frac_reward_zero_std``."""
     lengths = np.array([len(r.completion_ids) for g in groups for r in g.group.rollouts])
     clipped = [r.clipped for g in groups for r in g.group.rollouts]
-    flat = [bool(np.isclose(np.std(g.rewards), 0.0)) for g in groups]
     if not len(lengths):
         return {}
     return {"completions/mean_length": float(lengths.mean()),
             "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()),
             "completions/clipped_ratio": float(np.mean(clipped)),
-            "frac_reward_zero_std": float(np.mean(flat))}
+            **zero_std_split([g.rewards for g in groups], pass_threshold)}
+
+
+def zero_std_split(rewards: list[np.ndarray], pass_threshold: float) -> dict[str, float]:
+    """``frac_reward_zero_std`` of groups with total rewards ``rewards`` (one array per
+    group) and its ``/solved`` and ``/stuck`` parts (`rollout_stats`); the TRL baseline
+    of ``benchmarks/`` reports the same split with this function."""
+    flat = np.array([bool(np.isclose(np.std(r), 0.0)) for r in rewards])
+    solved = flat & np.array([bool(np.all(np.asarray(r) >= pass_threshold)) for r in rewards])
+    return {"frac_reward_zero_std": float(np.mean(flat)),
+            "frac_reward_zero_std/solved": float(np.mean(solved)),
+            "frac_reward_zero_std/stuck": float(np.mean(flat & ~solved))}
 
 
 def reward_part_means(groups: list[ScoredGroup]) -> dict[str, float]:

@@ -137,10 +137,16 @@ def gradient_rows(batch: Batch, loss: LossConfig, every_row: bool = False) -> to
     ``every_row``: all rows (an entropy bonus has a gradient at advantage 0 too)."""
     if loss.beta > 0 or every_row:
         return torch.arange(batch.num_rows)
-    nonzero = batch.advantages != 0
-    if nonzero.dim() == 2:  # per-token advantages: a row with any non-zero one (trained)
-        nonzero = (nonzero & (batch.mask > 0)).any(dim=1)
-    return torch.nonzero(nonzero).flatten()
+    return torch.nonzero(_advantage_rows(batch.advantages, batch.mask)).flatten()
+
+
+def _advantage_rows(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: rows with a non-zero advantage (per-token advantages: any non-zero
+    one on a trained token)."""
+    nonzero = advantages != 0
+    if nonzero.dim() == 2:
+        nonzero = (nonzero & (mask > 0)).any(dim=1)
+    return nonzero
 
 
 def lean_logps(model: torch.nn.Module, mb: Batch, st: StepSettings, with_entropy: bool = False,
@@ -165,7 +171,13 @@ def compute_loss(model: torch.nn.Module, batch: Batch, st: StepSettings,
     entropy). ``norm`` is the whole step's normaliser; None = this batch's own.
     ``entropy_coef`` > 0 subtracts that times this batch's share of the step's mean
     token entropy (Σ entropy / the step's trained tokens; `pipeline.rl.entropy_control`),
-    so the micro-batches' terms add up to ``entropy_coef · H̄``."""
+    so the micro-batches' terms add up to ``entropy_coef · H̄``.
+
+    ``entropy`` is over the batch's rows (the forwarded ones, `gradient_rows`);
+    ``entropy/adv_nonzero`` over its rows with a non-zero advantage only: the tokens
+    whose entropy TRL's and sluice's runs can be compared on whatever each forwards
+    (TRL's ``entropy`` covers every completion, sluice's at β = 0 only these). Across
+    micro-batches both are weighted by the micro-batch's tokens (`_Metrics`)."""
     bonus = entropy_coef > 0
     logps, ent, top = lean_logps(model, batch, st, with_entropy or bonus, entropy_grad=bonus)
     dev = logps.device
@@ -178,6 +190,11 @@ def compute_loss(model: torch.nn.Module, batch: Batch, st: StepSettings,
         m = batch.mask.to(dev)
         ent_sum = (ent * m).sum()
         metrics["entropy"] = float(ent_sum.detach() / m.sum().clamp(min=1))
+        nz = _advantage_rows(batch.advantages.to(dev), m)
+        if bool(nz.any()):  # the rows TRL's and sluice's entropy figures share
+            m_nz = m * nz[:, None]
+            metrics["entropy/adv_nonzero"] = float((ent * m_nz).sum().detach()
+                                                   / m_nz.sum().clamp(min=1))
         if bonus:
             tokens = norm.tokens if norm is not None else float(m.sum())
             loss = loss - entropy_coef * ent_sum / max(tokens, 1.0)

@@ -480,7 +480,7 @@ class Trainer:
             "tokens_per_s": metrics["tokens"] / max(now - t0, 1e-9),
             "dropped_stale": self.counts["stale"], "duplicates": self.counts["duplicates"],
             "num_tokens": self.state.tokens_seen, "memory/peak_rss_mb": peak_rss_mb(),
-            **rollout_stats(groups),
+            **rollout_stats(groups, self.cfg.eval.pass_threshold),
             **reward_part_means(groups),  # the union of the groups' parts
             **mfu_metrics(metrics["perf/step_flops"], metrics["perf/fwd_bwd_s"], now - t0,
                           self.peak_flops),

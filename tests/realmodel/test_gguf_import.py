@@ -45,7 +45,13 @@ def test_the_imported_folder_is_the_gguf_model(smollm2_dir: Path) -> None:
     gguf = AutoModelForCausalLM.from_pretrained(smollm2_dir.parent, gguf_file=GGUF_NAME,
                                                 dtype=torch.float32)
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, gguf(ids).logits)
+        # The same weights (the state dicts are equal), but not bit-equal logits on every
+        # run: a CPU matmul kernel may sum in another order for another allocation (seen
+        # once in a full run on a 2-core Xeon, equal when rerun). A wrong conversion (a
+        # permuted q/k, a lost tie) moves logits by whole units; rounding by ~1e-5.
+        for name, w in gguf.state_dict().items():
+            assert torch.equal(model.state_dict()[name], w), name
+        torch.testing.assert_close(model(ids).logits, gguf(ids).logits, rtol=0, atol=1e-3)
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "12" in tokenizer.decode(out[0, ids.shape[1]:])
 

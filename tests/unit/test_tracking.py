@@ -102,6 +102,12 @@ def test_rollout_stats_follow_trl_definitions() -> None:
     assert s["completions/min_length"] == 2 and s["completions/max_length"] == 4
     assert s["completions/clipped_ratio"] == 1 / 8
     assert s["frac_reward_zero_std"] == 0.5
+    # the flat group is at 0.5 < the pass threshold: stuck, not solved; at threshold
+    # 0.5 every completion passes, so the same group counts as solved
+    assert (s["frac_reward_zero_std/solved"], s["frac_reward_zero_std/stuck"]) == (0.0, 0.5)
+    s_low = rollout_stats(groups, pass_threshold=0.5)
+    assert (s_low["frac_reward_zero_std/solved"], s_low["frac_reward_zero_std/stuck"]) == (
+        0.5, 0.0)
     # both prompts are "123=" (4 tokens), counted once per completion
     assert step_tokens(groups) == 4 * 4 + (2 + 3 + 4 + 2) + 4 * 4 + 12
 

@@ -175,6 +175,9 @@ CASES: list[dict[str, Any]] = [
     {"importance_sampling_level": "sequence"},
     {"importance_sampling_level": "sequence", "loss_type": "grpo"},
     {"loss_type": "cispo", "epsilon_high": 5.0},
+    # a static entropy bonus (TRL 1.16's entropy_coef: - c times the mean token entropy)
+    {"entropy_coef": 0.05},
+    {"entropy_coef": 0.05, "loss_type": "grpo"},
 ]
 
 
@@ -212,7 +215,8 @@ def test_loss_advantages_and_gradients_equal_trl(model_dir: Path, tmp_path: Path
         ref_model, _ = load_model(model_dir)
         with torch.no_grad():
             ref, _ = token_logps(ref_model, batch, temperature)
-    loss, metrics = compute_loss(model, batch, st, ref_logps=ref)
+    loss, metrics = compute_loss(model, batch, st, ref_logps=ref,
+                                 entropy_coef=cfg.get("entropy_coef", 0.0))
     loss.backward()
 
     trl_loss = tr.compute_loss(tr.model, inputs)
@@ -295,3 +299,44 @@ def test_loss_depends_on_the_advantages(model_dir: Path) -> None:
     losses = [float(compute_loss(model, _batch(model_dir, sampler, adv), st)[0].detach())
               for adv in (_sluice_advantages("group"), -_sluice_advantages("group"))]
     assert losses[0] != pytest.approx(losses[1], abs=1e-4)
+
+
+def test_adaptive_entropy_control_matches_trl(model_dir: Path, tmp_path: Path) -> None:
+    """TRL's adaptive entropy control (``use_adaptive_entropy``) and `EntropyControl`
+    on the same batch, step after step: the coefficient each loss applies (TRL's
+    ``apply_coef``: only after a step at or below the target, none on the first), the
+    coefficient after each update (raised by δ at or below the target, lowered above
+    it, within [min, max]) and the loss. The target is moved between steps (TRL reads
+    ``args.entropy_target`` at every step) so both branches and the gate are crossed."""
+    from pipeline.rl.entropy_control import EntropyControl
+
+    sampler = _sampler_logps(model_dir, 1.0)
+    cfg = {"use_adaptive_entropy": True, "entropy_coef": 0.02, "entropy_coef_delta": 0.03,
+           "entropy_coef_min": 0.0, "entropy_coef_max": 0.07}
+    tr = _trl_trainer(model_dir, tmp_path, sampler, loss_type="dapo",
+                      vllm_importance_sampling_mode="token_truncate", **cfg)
+    inputs = tr._generate_and_score_completions(_trl_rows())
+    model, _ = load_model(model_dir)
+    model.train()
+    batch = _batch(model_dir, sampler, _sluice_advantages("group"))
+    st = _sluice_settings({})
+    with torch.no_grad():
+        h = compute_loss(model, batch, st)[1]["entropy"]
+    ctl = EntropyControl(coef=0.02, adaptive=True, delta=0.03, coef_min=0.0, coef_max=0.07)
+    applied, coefs = [], []
+    # at/below x3 (max reached), above x3 (min reached; the gate closes at once: the
+    # last step's entropy is above the new target), at/below x2 (the gate reopens)
+    for target in (h + 1, h + 1, h + 1, h - 1, h - 1, h - 1, h + 1, h + 1):
+        tr.args.entropy_target = ctl.target = target
+        applied.append(ctl.applied())
+        assert tr.accelerator.sync_gradients  # TRL updates at an optimizer-step boundary
+        trl_loss = float(tr.compute_loss(tr.model, inputs).detach())
+        with torch.no_grad():
+            loss, metrics = compute_loss(model, batch, st, entropy_coef=applied[-1])
+        assert float(loss) == pytest.approx(trl_loss, abs=ATOL)
+        ctl.update(metrics["entropy"])
+        assert ctl.coef == pytest.approx(tr.entropy_coef, abs=1e-12)
+        assert ctl.last_entropy == pytest.approx(tr._last_world_entropy, abs=1e-5)
+        coefs.append(ctl.coef)
+    assert applied == pytest.approx([0.0, 0.05, 0.07, 0.0, 0.0, 0.0, 0.0, 0.03])
+    assert coefs == pytest.approx([0.05, 0.07, 0.07, 0.04, 0.01, 0.0, 0.03, 0.06])

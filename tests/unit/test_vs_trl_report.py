@@ -68,3 +68,61 @@ def test_the_samples_window_is_what_every_unfinished_run_covers() -> None:
     res = {"trl": {"0": _run(0.005), "1": short}, "s1": {"0": done, "1": _run(0.006)}}
     assert common_samples(res, target=0.9) == 70_000
     assert common_samples({}, target=0.9) == 0.0
+
+
+def test_series_are_binned_like_trl_logging_and_compared_at_the_same_steps() -> None:
+    from benchmarks.vs_trl_report import binned, common_end_step, mechanism_at
+
+    rows = [{"step": s, "entropy": float(s)} for s in range(1, 61)]
+    series = binned(rows, every=25)
+    # TRL logs the mean of steps 1..25 at step 25; a partial last bin at its own step
+    assert [p["step"] for p in series] == [25, 50, 60]
+    assert series[0]["entropy"] == 13.0 and series[2]["entropy"] == 55.5
+    long_run = {"series": [{"step": s, "entropy": 1.0} for s in (25, 50, 75, 100, 400)]}
+    short_run = {"series": [{"step": s, "entropy": 2.0} for s in (25, 50, 75, 100)]}
+    res = {"trl": {"0": long_run}, "s1": {"0": short_run}}
+    assert common_end_step(res) == 100
+    # the long run's step-400 point lies past the common end: not in its "late" window
+    assert mechanism_at(long_run["series"], 100) == {"early": {"entropy": 1.0},
+                                                     "late": {"entropy": 1.0}}
+    text = "\n".join(report({k: {"0": {**v["0"], "evals": [
+        {"t": 0, "samples": 0, "step": 0, "exact": 0.0, "reward": 0.0}], "steps": 1,
+        "profile": {}}} for k, v in res.items()}, 0.9, 100, 1000))
+    assert "steps (0, 25] and (75, 100], the same for every run" in text
+
+
+def test_arms_interleave_abba_and_ablations_have_trl_twins() -> None:
+    import argparse
+
+    from benchmarks.vs_trl import ABLATIONS, parse_arms, run_order
+
+    assert run_order(["a", "b", "c"], [0, 1, 2]) == [
+        ("a", 0), ("b", 0), ("c", 0), ("c", 1), ("b", 1), ("a", 1), ("a", 2), ("b", 2),
+        ("c", 2)]
+    arms = parse_arms(argparse.Namespace(
+        arms="trl,trl2,s0,none,trl-none,mine,tmine",
+        arm=["mine=trainer.lr=1e-3", "tmine=trl:learning_rate=1e-3;adam_beta1=0.8"]))
+    assert arms["trl"].trl == {} and arms["trl2"].threads == 2
+    assert arms["s0"].sets == {"trainer.max_staleness": "0"} and arms["s0"].trl is None
+    assert arms["none"].sets == ABLATIONS["none"][0]
+    assert arms["trl-none"].trl == {"scale_rewards": "none"}
+    assert arms["mine"].sets == {"trainer.lr": "1e-3"}
+    assert arms["tmine"].trl == {"learning_rate": "1e-3", "adam_beta1": "0.8"}
+
+
+def test_trl_config_overrides_parse_literals_and_zero_std_splits() -> None:
+    import numpy as np
+    import pytest
+
+    from benchmarks.trl_copy import config_overrides
+    from trainer.stats import zero_std_split
+
+    assert config_overrides(["scale_rewards=none", "use_adaptive_entropy=True",
+                             "adam_beta1=0.8"]) == {
+        "scale_rewards": "none", "use_adaptive_entropy": True, "adam_beta1": 0.8}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        config_overrides(["scale_rewards"])
+    split = zero_std_split([np.ones(4), np.zeros(4), np.array([0.0, 1.0, 1.0, 1.0])], 1.0)
+    assert split == pytest.approx({"frac_reward_zero_std": 2 / 3,
+                                   "frac_reward_zero_std/solved": 1 / 3,
+                                   "frac_reward_zero_std/stuck": 1 / 3})
