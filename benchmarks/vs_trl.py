@@ -353,12 +353,16 @@ def main() -> None:
                    help="extra `sluice up --set` for every sluice arm")
     p.add_argument("--redo", action="store_true", help="repeat runs already in results.json")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--report-arms", default="",
+                   help="with --report-only: report only these arms (comma-separated), "
+                        "so the samples window and the mechanism's steps are theirs")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.results or a.out / "results.json"
     saved = json.loads(path.read_text()) if path.exists() else {"runs": {}}
     res: dict[str, dict[str, dict[str, Any]]] = saved["runs"]
     if a.report_only:
+        res = select_arms(res, a.report_arms)
         print(f"settings: {saved.get('args')}\n"
               + "\n".join(report(res, a.target, a.budget_s,
                                   a.auc_samples or common_samples(res, a.target) or 1000)))
@@ -399,6 +403,20 @@ def main() -> None:
           f"TRL threads={threads or '-'} probe={saved.get('trl_threads_probe')}")
     print("\n".join(report(res, a.target, a.budget_s,
                                   a.auc_samples or common_samples(res, a.target) or 1000)))
+
+
+def select_arms(res: dict[str, dict[str, dict[str, Any]]], spec: str
+                ) -> dict[str, dict[str, dict[str, Any]]]:
+    """The arms named in ``spec`` (comma-separated, in that order; all when empty). The
+    report's samples window and mechanism steps are then those of these arms' runs only.
+    An unknown name is an error that lists the arms there are."""
+    if not spec:
+        return res
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if missing := [n for n in names if n not in res]:
+        raise SystemExit(f"--report-arms: no runs of {', '.join(missing)} in the results "
+                         f"(arms there: {', '.join(res)})")
+    return {n: res[n] for n in names}
 
 
 def machine() -> str:

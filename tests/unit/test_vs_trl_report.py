@@ -126,3 +126,15 @@ def test_trl_config_overrides_parse_literals_and_zero_std_splits() -> None:
     assert split == pytest.approx({"frac_reward_zero_std": 2 / 3,
                                    "frac_reward_zero_std/solved": 1 / 3,
                                    "frac_reward_zero_std/stuck": 1 / 3})
+
+
+def test_select_arms_keeps_the_named_arms_in_order_and_refuses_unknown_ones() -> None:
+    import pytest
+
+    from benchmarks.vs_trl import select_arms
+
+    res = {"trl": {"0": {}}, "s1": {"0": {}}, "s0": {"0": {}}}
+    assert select_arms(res, "") is res
+    assert list(select_arms(res, "s1, trl")) == ["s1", "trl"]
+    with pytest.raises(SystemExit, match=r"no runs of none .*arms there: trl, s1, s0"):
+        select_arms(res, "trl,none")
