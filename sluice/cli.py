@@ -269,9 +269,9 @@ def _preflight(cfg: Config, cmd: str) -> None:
         return tokenizer_if_present(cfg)
 
     if cmd in ("train", "up"):
-        from trainer import trainer
+        from trainer.preflight import preflight
 
-        trainer.preflight(cfg)
+        preflight(cfg)
     task = None
     if cmd in ("generate", "up"):
         from workers import generator
@@ -313,9 +313,9 @@ def _replay(args: argparse.Namespace) -> int:
     from trainer.replay import ReplayDiverged, replay
 
     cfg = load_config(args.config, args.overrides)
-    from trainer import trainer
+    from trainer.preflight import preflight
 
-    trainer.preflight(cfg)
+    preflight(cfg)
     try:
         res = replay(cfg, args.source, out=args.out, max_steps=args.steps)
     except ReplayDiverged as e:

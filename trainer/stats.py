@@ -9,9 +9,13 @@ carries it as the rollout's ``clipped`` flag, not as text).
 
 from __future__ import annotations
 
+import resource
+from typing import Any
+
 import numpy as np
 
 from pipeline.bus.schema import ScoredGroup
+from trainer.perf import mfu_metrics
 
 
 def step_tokens(groups: list[ScoredGroup]) -> int:
@@ -71,3 +75,35 @@ def reward_part_means(groups: list[ScoredGroup]) -> dict[str, float]:
             out[f"reward/{k}/min"] = float(x.min())
             out[f"reward/{k}/max"] = float(x.max())
     return out
+
+
+def peak_rss_mb() -> float:
+    """The largest resident set this process has had, in MiB (the kernel's high-water
+    mark; Linux reports kilobytes): what the host must hold for the trainer, model,
+    optimizer state and the step's activations and logits together."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def step_row(groups: list[ScoredGroup], metrics: dict[str, float], *, step: int,
+             version: int, t_run_s: float, wait_s: float, step_s: float,
+             counts: dict[str, int], tokens_seen: int, pass_threshold: float,
+             peak_flops: float | None) -> dict[str, Any]:
+    """One step's metrics row (metrics.jsonl, the trackers, /metrics): the sampled reward,
+    rates over the step's wall time (``wait_s`` for its groups + ``step_s`` training),
+    rollout and reward-part figures, MFU, then the step's own ``metrics``, which win."""
+    rewards = np.concatenate([g.rewards for g in groups])
+    n = len(rewards)
+    wall_s = max(wait_s + step_s, 1e-9)
+    return {
+        "step": step, "version": version, "t": t_run_s,
+        "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "samples": n, "groups": len(groups),
+        "rollout_wait_s": wait_s, "step_time_s": step_s,
+        "samples_per_s": n / wall_s, "tokens_per_s": metrics["tokens"] / wall_s,
+        "dropped_stale": counts["stale"], "duplicates": counts["duplicates"],
+        "num_tokens": tokens_seen, "memory/peak_rss_mb": peak_rss_mb(),
+        **rollout_stats(groups, pass_threshold),
+        **reward_part_means(groups),  # the union of the groups' parts
+        **mfu_metrics(metrics["perf/step_flops"], metrics["perf/fwd_bwd_s"], wait_s + step_s,
+                      peak_flops),
+        **metrics}

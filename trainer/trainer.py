@@ -42,16 +42,13 @@ import asyncio
 import json
 import logging
 import math
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
-from pipeline.attention import check_attention
 from pipeline.bus import control
 from pipeline.bus.client import Bus, worker_id
 from pipeline.bus.fencing import FencedOut
@@ -59,14 +56,13 @@ from pipeline.bus.keys import ARCHIVERS_GROUP, TRAINERS_GROUP
 from pipeline.bus.ledger import Ledger
 from pipeline.bus.schema import ScoredGroup
 from pipeline.bus.version_check import verified_version
-from pipeline.config import Config, ConfigError
-from pipeline.devices import resolve_device
+from pipeline.config import Config
 from pipeline.metrics import start as start_metrics
 from pipeline.rl.entropy_control import EntropyControl
 from pipeline.rollout_meter import RolloutMeter
 from pipeline.runtime import Heartbeat, bound_exit, connect, end_requests, limits, set_threads
-from pipeline.tracking import Tracker, check_report_to, open_tracker, trainer_metrics
-from pipeline.weights import check_store, make_transport
+from pipeline.tracking import Tracker, open_tracker, trainer_metrics
+from pipeline.weights import make_transport
 from trainer import setup
 from trainer.batch import Batch, build_batch
 from trainer.checkpoint import Checkpointer, TrainerState
@@ -81,10 +77,10 @@ from trainer.distributed import (
 )
 from trainer.fenced import arm, lost
 from trainer.lock import TrainerLock, TrainerLockLost
-from trainer.perf import ModelShape, device_peak_flops, mfu_metrics, step_flops
+from trainer.perf import ModelShape, device_peak_flops, step_flops
 from trainer.reader import Reader, is_stale
 from trainer.setup import TrainSetup
-from trainer.stats import reward_part_means, rollout_stats, step_tokens
+from trainer.stats import step_row, step_tokens
 from trainer.step import compute_loss, gradient_rows, optimize
 
 log = logging.getLogger("sluice.trainer")
@@ -468,48 +464,15 @@ class Trainer:
         """metrics.jsonl, the trackers and /metrics (staleness per group: ``trained_at``,
         the version the step trained, minus the group's oldest token version)."""
         now = time.time()
-        rewards = np.concatenate([g.rewards for g in groups])
-        n = len(rewards)
         self.state.tokens_seen += step_tokens(groups)
-        row: dict[str, Any] = {
-            "step": self.state.step, "version": self.state.version, "t": now - self.t_start,
-            "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
-            "samples": n, "groups": len(groups),
-            "rollout_wait_s": t1 - t0, "step_time_s": now - t1,
-            "samples_per_s": n / max(now - t0, 1e-9),
-            "tokens_per_s": metrics["tokens"] / max(now - t0, 1e-9),
-            "dropped_stale": self.counts["stale"], "duplicates": self.counts["duplicates"],
-            "num_tokens": self.state.tokens_seen, "memory/peak_rss_mb": peak_rss_mb(),
-            **rollout_stats(groups, self.cfg.eval.pass_threshold),
-            **reward_part_means(groups),  # the union of the groups' parts
-            **mfu_metrics(metrics["perf/step_flops"], metrics["perf/fwd_bwd_s"], now - t0,
-                          self.peak_flops),
-            **metrics}
+        row = step_row(groups, metrics, step=self.state.step, version=self.state.version,
+                       t_run_s=now - self.t_start, wait_s=t1 - t0, step_s=now - t1,
+                       counts=self.counts, tokens_seen=self.state.tokens_seen,
+                       pass_threshold=self.cfg.eval.pass_threshold,
+                       peak_flops=self.peak_flops)
         self.last = {k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}
         self.log_metrics(row)
         self.metrics.step(row, [trained_at - g.group.min_version for g in groups])
-
-
-def peak_rss_mb() -> float:
-    """The largest resident set this process has had, in MiB (the kernel's high-water
-    mark; Linux reports kilobytes): what the host must hold for the trainer, model,
-    optimizer state and the step's activations and logits together."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def preflight(cfg: Config) -> None:
-    """What the trainer loads first, checked before any role starts (`sluice train`,
-    `sluice up`): ``trainer.device`` exists and can run ``model.attn_implementation``
-    (`pipeline.attention`), float16 has float32 master weights, the tracker of
-    ``run.report_to`` is installed, and the weight store takes its versions
-    (`pipeline.weights.check_store`). Each failure is a ``ConfigError`` naming the key."""
-    device = resolve_device(cfg.trainer.device, "trainer.device")
-    check_attention(cfg.model.attn_implementation, device.type, device_key="trainer.device")
-    if cfg.model.dtype == "float16" and not cfg.trainer.fp32_master:
-        raise ConfigError("trainer.fp32_master: model.dtype float16 needs float32 master "
-                          "weights (loss scaling); set it true or use bfloat16")
-    check_report_to(cfg)
-    check_store(cfg, write=True)
 
 
 def rank_of(name: str | None) -> int:
