@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.vs_trl import machine  # noqa: E402
+from benchmarks.vs_trl import machine, save_results  # noqa: E402
 from sluice.report import read_jsonl  # noqa: E402
 
 
@@ -96,10 +96,7 @@ def main() -> None:
         runs.append(r)
         print(f"   {'reached' if r['reached'] else 'NOT reached'}: step {r['step']}, "
               f"{r['t_s'] or 0:.0f} s (exit {rc})", flush=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(saved, indent=1))
-        tmp.replace(path)
+        save_results(path, saved)
     for name, rs in saved.items():
         s = spread(rs)
         print(f"\n{name}: reached pass@1>={a.target} in {s['reached']} of {s['runs']} runs")

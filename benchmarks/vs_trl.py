@@ -395,14 +395,20 @@ def main() -> None:
         saved["args"] = {"cpus": os.cpu_count(), **common_args(a),
                          "budget_s": a.budget_s, "target": a.target,
                          "sluice_set": a.sluice_set}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")  # a kill mid-write leaves the last good file
-        tmp.write_text(json.dumps(saved, indent=1))
-        tmp.replace(path)
+        save_results(path, saved)
     print(f"\ncpus={os.cpu_count()} {common_args(a)} target={a.target} "
           f"TRL threads={threads or '-'} probe={saved.get('trl_threads_probe')}")
     print("\n".join(report(res, a.target, a.budget_s,
                                   a.auc_samples or common_samples(res, a.target) or 1000)))
+
+
+def save_results(path: Path, saved: dict[str, Any]) -> None:
+    """``saved`` as ``path``'s JSON, written beside it and renamed over it: a kill
+    mid-write leaves the last good file (benchmarks that resume read it back)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(saved, indent=1))
+    tmp.replace(path)
 
 
 def select_arms(res: dict[str, dict[str, dict[str, Any]]], spec: str

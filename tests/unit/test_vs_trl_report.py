@@ -138,3 +138,15 @@ def test_select_arms_keeps_the_named_arms_in_order_and_refuses_unknown_ones() ->
     assert list(select_arms(res, "s1, trl")) == ["s1", "trl"]
     with pytest.raises(SystemExit, match=r"no runs of none .*arms there: trl, s1, s0"):
         select_arms(res, "trl,none")
+
+
+def test_save_results_replaces_the_file_whole(tmp_path: Path) -> None:
+    import json
+
+    from benchmarks.vs_trl import save_results
+
+    path = tmp_path / "results" / "r.json"
+    save_results(path, {"runs": {"trl": {"0": {"steps": 1}}}})
+    save_results(path, {"runs": {}})
+    assert json.loads(path.read_text()) == {"runs": {}}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["r.json"]  # no temp left
