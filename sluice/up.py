@@ -42,7 +42,7 @@ from typing import Any
 from pipeline.bus import control
 from pipeline.config import Config, ConfigError
 from pipeline.evaluation import parse_target
-from pipeline.runtime import connect, connected, freeze_for_exit
+from pipeline.runtime import FATAL_EXIT_CODE, connect, connected, freeze_for_exit
 from sluice.audit_run import audit_at_end
 from sluice.embedded import EmbeddedRedis
 from sluice.monitor import snapshot
@@ -125,6 +125,8 @@ def stop_reason(sup: Supervisor, stop: asyncio.Event, policy: RestartPolicy,
         return "max_time_s"
     bad = sup.handle_crashes(policy)
     if bad is not None:
+        if bad.proc.returncode == FATAL_EXIT_CODE:  # reported with its log already
+            return f"{bad.name} stopped on an error no restart can fix"
         return (f"{bad.name} exited with code {bad.proc.returncode}"
                 + (f" ({policy.count(bad.name)} crashes in "
                    f"{policy.window_s:g} s)" if policy.max_restarts else ""))
