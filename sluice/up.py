@@ -14,7 +14,9 @@ loopback port chosen at each (re)start (`pipeline.metrics`; `sluice status` list
 Crashes: a role that exits abnormally (an error, ``kill -9``) is reported at once with
 the tail of its log and restarted after a backoff (`sluice.restarts`; the pipeline
 survives the crash: leases, reclaim, the trainer's checkpoint); one that crashes more than
-``up.max_restarts`` times within ``up.restart_window_s`` ends the run, named.
+``up.max_restarts`` times within ``up.restart_window_s`` ends the run, named. One that
+exits `pipeline.runtime.FATAL_EXIT_CODE` (it found an error no restart can fix, e.g. a
+prompt filter that rejected a whole epoch) ends the run at once, reported the same way.
 
 Shutdown: the trainer ends the run at ``max_steps`` with a `RunFinished` announcement,
 on which every other role exits by itself (the evaluator after evaluating the final
