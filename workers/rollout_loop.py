@@ -100,7 +100,10 @@ class RowState:
         self._values[row] = value
 
     def __contains__(self, row: object) -> bool:
-        return isinstance(row, int) and self._values.get(row) is not None
+        try:
+            return self._values.get(self._row(row)) is not None  # type: ignore[arg-type]
+        except TypeError:
+            return False
 
     def __iter__(self) -> Iterator[int]:
         return iter(r for r, v in self._values.items() if v is not None)
@@ -164,6 +167,9 @@ def load_loop(cfg: Config, role: Role) -> RolloutLoop | None:
     if not (inspect.isclass(cls) and issubclass(cls, RolloutLoop)):
         raise ConfigError(f"{key}: {path!r} is not a subclass of "
                           "workers.rollout_loop.RolloutLoop")
+    if inspect.iscoroutinefunction(cls.filter_prompt):  # its bool would always be True
+        raise ConfigError(f"{key}: {path}.filter_prompt must be a plain function, not "
+                          "async (it reads only self.state, which is fetched for it)")
     try:
         loop = cls()
         loop.role, loop.state = role, RowState()

@@ -36,6 +36,12 @@ class SetupFails(RolloutLoop):
         raise RuntimeError("no data")
 
 
+class AsyncFilter(RolloutLoop):
+    async def filter_prompt(self, row_index: int, row: dict[str, Any],  # type: ignore[override]
+                            epoch: int) -> bool:
+        return False
+
+
 class NotALoop:
     def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
         return True
@@ -45,7 +51,8 @@ def test_a_hook_reads_the_rows_it_was_given_and_nothing_stale() -> None:
     st = RowState()
     st.load({3: 0.5, 4: None})
     assert st[3] == 0.5 and st.get(4) is None and st.get(4, 1.0) == 1.0
-    assert 3 in st and 4 not in st and list(st) == [3]
+    assert 3 in st and np.int64(3) in st and 4 not in st and "3" not in st
+    assert list(st) == [3]
     with pytest.raises(KeyError, match="row 5 is not one this call was given"):
         st.get(5)
     st[5] = [1, 2]  # a write makes the row readable in the same call
@@ -89,6 +96,7 @@ def test_the_class_is_loaded_and_set_up_once_per_role_or_refused_naming_the_key(
     assert loop.num_generations == 8 and isinstance(loop.state, RowState)
     for path, msg in [(f"{HERE}:NotALoop", "not a subclass of workers.rollout_loop"),
                       (f"{HERE}:SetupFails", "could not be set up: RuntimeError"),
+                      (f"{HERE}:AsyncFilter", "filter_prompt must be a plain function"),
                       (f"{HERE}:Nope", "has no attribute 'Nope'")]:
         cfg = load_config(None, [f"generation.rollout_loop={path}"])
         with pytest.raises(ConfigError, match=rf"^generation\.rollout_loop: .*{msg}"):
