@@ -292,8 +292,8 @@ class Scorer:
         given for the group-relative ``adv``). The ``scoring.advantages`` hook (or the
         rollout loop's ``compute_advantages``, given ``adv`` and the per-row state of
         the read: `workers.rollout_loop`) replaces the group-relative advantages; the
-        teacher's term is added per token on top
-        (module docstring). ``ValueError`` when the hook raises or returns garbage."""
+        teacher's term is added per token on top (module docstring). ``ValueError`` when
+        the hook raises or returns garbage."""
         tadv = None
         if self.adv_hook is not None:
             adv, tadv = await hook_advantages(self.adv_hook, s.group, s.total)
@@ -437,11 +437,10 @@ class Scorer:
 def preflight(cfg: Config, task: Task | None, policy_tokenizer: Callable[[], Any]) -> None:
     """What the scorer loads first, checked before any role starts (`sluice score`,
     `sluice up`): the ``scoring.advantages`` hook imports (or the rollout loop is set
-    up), every reward function is called
-    once on a held-out prompt in a reward process (`workers.reward_runner.check_rewards`;
-    ``task`` built here when not given), and a teacher's vocabulary is the policy's
-    (`check_teacher`; ``policy_tokenizer`` is called only then). Each failure is a ``ConfigError`` /
-    ``ValueError`` naming the key."""
+    up), every reward function is called once on a held-out prompt in a reward process
+    (`workers.reward_runner.check_rewards`; ``task`` built here when not given), and a
+    teacher's vocabulary is the policy's (`check_teacher`; ``policy_tokenizer`` is called
+    only then). Each failure is a ``ConfigError`` / ``ValueError`` naming the key."""
     load_hook(cfg.scoring.advantages, "scoring.advantages")
     load_loop(cfg, "scorer")
     check_rewards(cfg, task)
