@@ -39,6 +39,16 @@ from pipeline.metrics import RoleMetrics
 
 log = logging.getLogger("sluice")
 
+FATAL_EXIT_CODE = 78
+"""A role's exit status when it stopped on `RoleFatal` (sysexits' EX_CONFIG): `sluice up`
+reports it at once and ends the run instead of restarting the role (`sluice.supervisor`)."""
+
+
+class RoleFatal(RuntimeError):
+    """A role found the run in a state no restart can fix (a prompt filter that rejects a
+    whole epoch: every restart would find the same). The role stops, the CLI prints the
+    message and exits `FATAL_EXIT_CODE`, and `sluice up` ends the run naming it."""
+
 
 def setup_logging(role: str, level: str | None = None) -> None:
     logging.basicConfig(

@@ -396,11 +396,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return tail_command(cfg, args.stream, args.from_start, args.count)
 
+    from pipeline.runtime import FATAL_EXIT_CODE, RoleFatal
+
     try:
         _run_role(cfg, args)
     except ConfigError as e:  # found as the role starts (a metrics.port in use)
         print(f"sluice: {e}", file=sys.stderr)
         return 2
+    except RoleFatal as e:  # no restart can fix it: `sluice up` ends the run on this code
+        print(f"sluice: {args.cmd} stopped: {e}", file=sys.stderr, flush=True)
+        return FATAL_EXIT_CODE
     return 0
 
 

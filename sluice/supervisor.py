@@ -33,7 +33,7 @@ from pathlib import Path
 from pipeline.bus.security import COMMAND_ROLES
 from pipeline.config import Config
 from pipeline.ports import free_port
-from pipeline.runtime import STACKS_SIGNAL, log_tail, redis_options
+from pipeline.runtime import FATAL_EXIT_CODE, STACKS_SIGNAL, log_tail, redis_options
 from sluice.hang_report import hang_report
 from sluice.restarts import RestartPolicy
 from sluice.samples import ScorerSamples
@@ -131,12 +131,19 @@ class Supervisor:
     def handle_crashes(self, policy: RestartPolicy) -> Child | None:
         """Restart crashed roles (`sluice.restarts`): a crash is reported at once on
         stderr with the role's log tail, and the role is started again after its backoff.
-        Returns the child to stop the run for (crashed once too often), else None."""
+        Returns the child to stop the run for (crashed once too often, or stopped on an
+        error no restart can fix: exit status `FATAL_EXIT_CODE`, reported at once), else
+        None."""
         now = time.time()
         for ch in list(self.children):
             rc = ch.proc.poll()
             if rc in (None, 0):
                 continue
+            if rc == FATAL_EXIT_CODE and ch.restart_at is None:
+                print(f"\n{ch.name} stopped on an error no restart can fix (exit code {rc}); "
+                      f"the run ends. Last lines of {ch.log}:\n{ch.tail(12)}\n",
+                      file=sys.stderr, flush=True)
+                return ch
             if ch.restart_at is None:
                 delay = policy.on_crash(ch.name, now)
                 if delay is None:

@@ -14,7 +14,9 @@ loopback port chosen at each (re)start (`pipeline.metrics`; `sluice status` list
 Crashes: a role that exits abnormally (an error, ``kill -9``) is reported at once with
 the tail of its log and restarted after a backoff (`sluice.restarts`; the pipeline
 survives the crash: leases, reclaim, the trainer's checkpoint); one that crashes more than
-``up.max_restarts`` times within ``up.restart_window_s`` ends the run, named.
+``up.max_restarts`` times within ``up.restart_window_s`` ends the run, named. One that
+exits `pipeline.runtime.FATAL_EXIT_CODE` (it found an error no restart can fix, e.g. a
+prompt filter that rejected a whole epoch) ends the run at once, reported the same way.
 
 Shutdown: the trainer ends the run at ``max_steps`` with a `RunFinished` announcement,
 on which every other role exits by itself (the evaluator after evaluating the final
@@ -42,7 +44,7 @@ from typing import Any
 from pipeline.bus import control
 from pipeline.config import Config, ConfigError
 from pipeline.evaluation import parse_target
-from pipeline.runtime import connect, connected, freeze_for_exit
+from pipeline.runtime import FATAL_EXIT_CODE, connect, connected, freeze_for_exit
 from sluice.audit_run import audit_at_end
 from sluice.embedded import EmbeddedRedis
 from sluice.monitor import snapshot
@@ -125,6 +127,8 @@ def stop_reason(sup: Supervisor, stop: asyncio.Event, policy: RestartPolicy,
         return "max_time_s"
     bad = sup.handle_crashes(policy)
     if bad is not None:
+        if bad.proc.returncode == FATAL_EXIT_CODE:  # reported with its log already
+            return f"{bad.name} stopped on an error no restart can fix"
         return (f"{bad.name} exited with code {bad.proc.returncode}"
                 + (f" ({policy.count(bad.name)} crashes in "
                    f"{policy.window_s:g} s)" if policy.max_restarts else ""))

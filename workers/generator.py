@@ -53,6 +53,8 @@ from workers.engines.transformers import TransformersEngine
 from workers.environments.base import EpisodeFailure
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
 from workers.hooks import load_filter, load_rollout, render_group_prompt
+from workers.prompt_filter import PromptFilter
+from workers.rollout_loop import load_loop
 from workers.staleness import WeightsBehind
 from workers.tasks.catalog import Task, prompt_for_cursor, task_from_config
 from workers.tasks.prompts import Messages
@@ -87,7 +89,7 @@ class Generator:
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
         self.params = SamplingParams.of(cfg.generation)
         self.rollout = load_rollout(cfg)  # None: single completions
-        self.filter = load_filter(cfg)
+        self.filter = PromptFilter(cfg, len(self.task))
         self.limits = limits(cfg)  # the scorer's decode limits: same function, same config
         self.batcher = TurnBatcher(self.engine)  # episodes in flight share engine batches
         self.skipped_prompts = 0
@@ -303,26 +305,24 @@ class Generator:
             return f"{what}: {e!r}"
 
     async def skip_prompts(self, bus: Bus, cursors: list[int]) -> list[int]:
-        """Cursors whose prompt ``generation.filter_prompt`` keeps; the others retire
-        ``filtered`` now (a hook that raises keeps its prompt and says so in the log)."""
-        if self.filter is None:
+        """Cursors whose prompt the prompt filter keeps (`workers.prompt_filter`); the
+        others retire ``filtered`` now. `FilterRejectedEpoch` once the skips complete an
+        epoch the filter rejected whole (the kept cursors' leases then expire)."""
+        if not self.filter.active:
             return cursors
-        keep = []
-        for c in cursors:
-            _epoch, idx = prompt_for_cursor(c, len(self.task), self.cfg.run.seed)
-            try:
-                wanted = bool(self.filter(self.task.prompt(idx)))
-            except Exception as e:
-                log.warning("generation.filter_prompt raised on prompt %d (kept): %r", idx, e)
-                wanted = True
-            if wanted:
-                keep.append(c)
+        where = [(c, *prompt_for_cursor(c, len(self.task), self.cfg.run.seed)) for c in cursors]
+        wanted = await self.filter.keep(bus, [(e, i, self.task.prompt(i)) for _c, e, i in where])
+        skipped: set[int] = set()
+        for (c, epoch, _i), ok in zip(where, wanted, strict=True):
+            if ok:
                 continue
-            op = f"skip:{c}:{self.wid}"
+            op, skipped = f"skip:{c}:{self.wid}", skipped | {epoch}
             if await self.settle(bus, c, op, {"ev": "filtered", "retired": True},
-                                 lambda c=c, op=op: bus.skip(c, owner=self.wid, op=op)):
+                                 lambda c=c, op=op, e=epoch: bus.skip(c, owner=self.wid,
+                                                                      op=op, epoch=e)):
                 self.skipped_prompts += 1
-        return keep
+        await self.filter.check_epochs(bus, skipped)
+        return [c for (c, _e, _i), ok in zip(where, wanted, strict=True) if ok]
 
     async def generate_batch(self, bus: Bus, cursors: list[int]) -> None:
         """Generate and append one group per cursor. A group is appended whole or, if
@@ -476,12 +476,12 @@ class Generator:
 def preflight(cfg: Config, policy_tokenizer: Callable[[], Any]) -> Task:
     """What a generator loads first, checked before any role starts (`sluice generate`,
     `sluice up`): the in-process engine's ``generation.device`` (and that it can run
-    ``model.attn_implementation``), the task (data, columns,
-    prompt lengths, rendered with ``policy_tokenizer()``: None when `sluice up` is about
-    to build the tiny model), the environment or rollout hook (one instance built), the
-    prompt filter and the weight store it reads (`pipeline.weights.check_store`). Each
-    failure is a ``ConfigError`` / ``ValueError`` naming the key. Returns the task, which
-    the other roles' checks reuse."""
+    ``model.attn_implementation``), the task (data, columns, prompt lengths, rendered
+    with ``policy_tokenizer()``: None when `sluice up` is about to build the tiny model),
+    the environment or rollout hook (one instance built), the prompt filter or rollout
+    loop (one set up) and the weight store it reads (`pipeline.weights.check_store`).
+    Each failure is a ``ConfigError`` / ``ValueError`` naming the key. Returns the task,
+    which the other roles' checks reuse."""
     if cfg.generation.engine == "transformers":
         device = resolve_device(cfg.generation.device, "generation.device")
         check_attention(cfg.model.attn_implementation, device.type,
@@ -489,6 +489,7 @@ def preflight(cfg: Config, policy_tokenizer: Callable[[], Any]) -> Task:
     task = task_from_config(cfg, policy_tokenizer())
     load_rollout(cfg)
     load_filter(cfg)
+    load_loop(cfg, "generator")
     check_store(cfg, write=False)
     return task
 

@@ -17,6 +17,7 @@ import numpy as np
 from pipeline.bus.schema import RolloutGroup
 from pipeline.rl.advantages import check_hook_advantages
 from workers.reward_runner import RewardRunner
+from workers.rollout_loop import LoopGroup, RolloutLoop
 from workers.tasks.rewards import RewardError, episode_inputs, reward_kwargs
 from workers.teacher import Teacher, TeacherError
 
@@ -92,6 +93,36 @@ async def hook_advantages(hook: Callable[..., Any], g: RolloutGroup, total: np.n
         raise ValueError(f"raised {err!r}") from err
     return check_hook_advantages(out, [len(r.completion_ids) for r in g.rollouts],
                                  "scoring.advantages")
+
+
+async def loop_advantages(loop: RolloutLoop, g: RolloutGroup, total: np.ndarray,
+                          parts: dict[str, np.ndarray], adv: np.ndarray
+                          ) -> tuple[np.ndarray, list[np.ndarray] | None]:
+    """The rollout loop's ``compute_advantages`` of group ``g`` (``adv``: sluice's
+    group-relative advantages, what the default returns), checked like the
+    ``scoring.advantages`` hook's; ``ValueError`` when it raises, returns something else
+    or assigns state that is not JSON; its state writes are then dropped."""
+    group = LoopGroup(
+        row_index=g.prompt_index, epoch=g.epoch, group_id=g.group_id, row=g.prompt,
+        rewards=np.array(total, dtype=np.float64),
+        reward_parts={k: np.array(v, dtype=np.float64) for k, v in parts.items()},
+        completions=[r.text for r in g.rollouts],
+        completion_ids=[r.completion_ids.tolist() for r in g.rollouts],
+        mask=[r.mask.tolist() for r in g.rollouts], advantages=np.array(adv, dtype=np.float64))
+    mark = loop.state.mark()
+    try:
+        out = loop.compute_advantages(group)
+        if asyncio.iscoroutine(out):
+            out = await out
+    except Exception as err:
+        loop.state.restore(mark)
+        raise ValueError(f"raised {err!r}") from err
+    try:
+        return check_hook_advantages(out, [len(r.completion_ids) for r in g.rollouts],
+                                     "compute_advantages")
+    except ValueError:
+        loop.state.restore(mark)
+        raise
 
 
 E = TypeVar("E", bound=Exception)

@@ -75,9 +75,10 @@ from pipeline.rl.advantages import (
 )
 from pipeline.rl.distillation import mean_over_mask, reverse_kl, token_advantages
 from pipeline.runtime import LEAVE_TIMEOUT_S, Heartbeat, connect, join, limits
-from workers.group_scores import hook_advantages, rewards_of, teacher_of
+from workers.group_scores import hook_advantages, loop_advantages, rewards_of, teacher_of
 from workers.hooks import load_hook
 from workers.reward_runner import RewardRunner, check_rewards
+from workers.rollout_loop import load_loop
 from workers.tasks.catalog import Task
 from workers.tasks.rewards import (
     RewardError,
@@ -123,6 +124,9 @@ class Scorer:
         self.rewards: list[RewardFn] = load_rewards(cfg)
         self.runner = RewardRunner(self.rewards, cfg.scoring.reward_timeout_s)
         self.adv_hook = load_hook(cfg.scoring.advantages, "scoring.advantages")
+        self.loop = load_loop(cfg, "scorer")  # its compute_advantages replaces the hook
+        self.adv_key = ("generation.rollout_loop" if self.loop is not None
+                        else "scoring.advantages")
         self.weights = np.array([r.weight for r in self.rewards], dtype=np.float64)
         self.limits = limits(cfg)
         self.counts = {"scored": 0, "filtered": 0, "dead": 0, "reward_errors": 0,
@@ -184,8 +188,12 @@ class Scorer:
         sc = self.cfg.scoring
         advs = batch_advantages([s.total for s in scored], scale_rewards=sc.scale_rewards,
                                 eps=sc.std_eps, ddof=sc.std_ddof)
+        if self.loop is not None:  # the read's rows, for compute_advantages (one HMGET)
+            self.loop.state.load(await bus.loop_read([s.group.prompt_index for s in scored]))
         handoffs = [h for s, adv in zip(scored, advs, strict=True)
                     if (h := await self.settle(bus, s, adv)) is not None]
+        if self.loop is not None:  # written before the hand-off: a group trained is seen
+            await bus.loop_write(self.loop.state.take_writes())
         if handoffs:  # the read's hand-offs in one pipelined round trip (module docstring)
             src = scored[0].entry.stream  # one read is one lane's (`Bus.read_lanes`)
             done = await self.ledger.settle_many(
@@ -247,7 +255,7 @@ class Scorer:
             adv, tadv, flat = await self.final_advantages(s, adv, flat)
         except ValueError as err:  # the hook's bug: the group's, like a reward's
             self.counts["reward_errors"] += 1
-            await self.dead(bus, e, f"scoring.advantages: {err}", g.group_id)
+            await self.dead(bus, e, f"{self.adv_key}: {err}", g.group_id)
             return None
         gid = g.group_id
         handoff = None
@@ -281,12 +289,18 @@ class Scorer:
                                ) -> tuple[np.ndarray, list[np.ndarray] | None, bool]:
         """What the group trains with: per rollout, per token when a hook or the teacher
         gives them (None otherwise), and whether it all is zero (``flat``: no gradient;
-        given for the group-relative ``adv``). The ``scoring.advantages`` hook replaces
-        the group-relative advantages; the teacher's term is added per token on top
-        (module docstring). ``ValueError`` when the hook raises or returns garbage."""
+        given for the group-relative ``adv``). The ``scoring.advantages`` hook (or the
+        rollout loop's ``compute_advantages``, given ``adv`` and the per-row state of
+        the read: `workers.rollout_loop`) replaces the group-relative advantages; the
+        teacher's term is added per token on top (module docstring). ``ValueError`` when
+        the hook raises or returns garbage."""
         tadv = None
         if self.adv_hook is not None:
             adv, tadv = await hook_advantages(self.adv_hook, s.group, s.total)
+        elif self.loop is not None:
+            parts = {rf.name: s.parts[:, j] for j, rf in enumerate(self.rewards)}
+            adv, tadv = await loop_advantages(self.loop, s.group, s.total, parts, adv)
+        if self.adv_hook is not None or self.loop is not None:
             flat = not adv.any() and (tadv is None or not any(a.any() for a in tadv))
         if s.teacher_logprobs is not None:
             masks = [r.mask for r in s.group.rollouts]
@@ -422,12 +436,13 @@ class Scorer:
 
 def preflight(cfg: Config, task: Task | None, policy_tokenizer: Callable[[], Any]) -> None:
     """What the scorer loads first, checked before any role starts (`sluice score`,
-    `sluice up`): the ``scoring.advantages`` hook imports, every reward function is called
-    once on a held-out prompt in a reward process (`workers.reward_runner.check_rewards`;
-    ``task`` built here when not given), and a teacher's vocabulary is the policy's
-    (`check_teacher`; ``policy_tokenizer`` is called only then). Each failure is a ``ConfigError`` /
-    ``ValueError`` naming the key."""
+    `sluice up`): the ``scoring.advantages`` hook imports (or the rollout loop is set
+    up), every reward function is called once on a held-out prompt in a reward process
+    (`workers.reward_runner.check_rewards`; ``task`` built here when not given), and a
+    teacher's vocabulary is the policy's (`check_teacher`; ``policy_tokenizer`` is called
+    only then). Each failure is a ``ConfigError`` / ``ValueError`` naming the key."""
     load_hook(cfg.scoring.advantages, "scoring.advantages")
+    load_loop(cfg, "scorer")
     check_rewards(cfg, task)
     if cfg.scoring.teacher:
         check_teacher(cfg, policy_tokenizer())

@@ -156,11 +156,18 @@ class AdmissionWrites:
                   b"group_id", group_id.encode(), b"t", str(time.time()).encode()])
         return bool(done)
 
-    async def skip(self, cursor: int, *, owner: str, op: str) -> bool:
+    async def skip(self, cursor: int, *, owner: str, op: str, epoch: int = 0) -> bool:
         """Retire an admitted group ``filtered`` without generating it (its prompt was
-        skipped by ``generation.filter_prompt``); only while ``owner`` holds its lease.
-        Idempotent per op."""
+        skipped by the prompt filter) and count it in its lane's ``skipped[epoch]``; only
+        while ``owner`` holds its lease. Idempotent per op."""
         k, local = self.lanes.split(cursor)
-        return bool(await self._skip(keys=[k.state, k.leases, k.op("generator", op)],
-                                     args=[local, owner]))
+        return bool(await self._skip(keys=[k.state, k.leases, k.skipped,
+                                           k.op("generator", op)],
+                                     args=[local, owner, int(epoch)]))
+
+    async def skipped_in_epoch(self, epoch: int) -> int:
+        """How many cursors of ``epoch`` the prompt filter skipped, every lane summed
+        (`skip`): the run's dataset size means the filter rejected the whole epoch."""
+        got = [await self.r.hget(k.skipped, str(int(epoch))) for k in self.lanes.keys]
+        return sum(int(v or 0) for v in got)
 

@@ -56,6 +56,7 @@ from pipeline.bus.dlq import record as dlq_record
 from pipeline.bus.fencing import call_fenced
 from pipeline.bus.keys import GROUP_ROLE, HEARTBEAT_ROLES, RETIRE_REASONS, Keys
 from pipeline.bus.lanes import Lanes, add_states
+from pipeline.bus.loop_state import LoopStateIO
 from pipeline.bus.replies import (
     Entry,
     GroupView,
@@ -79,12 +80,13 @@ def worker_id(role: str, name: str | None = None) -> str:
     return f"{role}/{name or f'{socket.gethostname()}-{os.getpid()}'}"
 
 
-class Bus(AdmissionWrites, TrainerWrites):
+class Bus(AdmissionWrites, TrainerWrites, LoopStateIO):
     """Async access to one run's streams and state. Create with `Bus.connect`.
 
-    The one wrapper every role uses; its generator writes (`AdmissionWrites`) and
-    trainer writes (`TrainerWrites`) are written in their own modules and mixed in here,
-    sharing this client, its keys, its lanes and ``fence``."""
+    The one wrapper every role uses; its generator writes (`AdmissionWrites`), trainer
+    writes (`TrainerWrites`) and the rollout loop's shared state (`LoopStateIO`) are
+    written in their own modules and mixed in here, sharing this client, its keys, its
+    lanes and ``fence``."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, *, reconnect_max_s: float = 10.0,
                  partitions: int = 1):

@@ -149,6 +149,21 @@ class Keys:
         return f"{self.prefix}:leases"
 
     @property
+    def skipped(self) -> str:
+        """Hash epoch -> how many of the epoch's cursors (of this lane) the prompt filter
+        skipped, counted by the SKIP script with the retirement itself (exactly once per
+        cursor): when the lanes' counts of an epoch sum to the dataset's size, the filter
+        rejected the whole epoch (`workers.prompt_filter`). One small field per epoch."""
+        return f"{self.prefix}:skipped"
+
+    @property
+    def loop(self) -> str:
+        """Hash row index -> JSON value: the rollout loop's shared per-prompt state
+        (`pipeline.bus.loop_state`), global (plain commands only, no script touches it).
+        At most one field per dataset row, each at most `LOOP_VALUE_MAX_BYTES`."""
+        return f"{self.prefix}:loop"
+
+    @property
     def trainer_lock(self) -> str:
         """String ``job id`` with a TTL: the one trainer job allowed to train this run."""
         return f"{self.prefix}:trainer"

@@ -143,14 +143,16 @@ return 1
 """)
 
 SKIP = _idempotent("""
--- KEYS: state, leases, op; ARGV: cursor, owner. An admitted group its generator skips
--- (generation.filter_prompt said no) retires `filtered`, if `owner` holds its lease.
+-- KEYS: state, leases, skipped, op; ARGV: cursor, owner, epoch. An admitted group its
+-- generator skips (the prompt filter said no) retires `filtered`, if `owner` holds its
+-- lease, and counts in `skipped[epoch]`: once per cursor, like the retirement.
 local v = redis.call('HGET', KEYS[2], ARGV[1])
 if not """ + _OWNS.format(o="ARGV[2]") + """ then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[1], 'generating', -1)
 redis.call('HINCRBY', KEYS[1], 'retired', 1)
 redis.call('HINCRBY', KEYS[1], 'retired:filtered', 1)
+redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
 return 1
 """)
 

@@ -122,7 +122,16 @@ class GenerationConfig(_Section):
     filter_prompt: str = Field("", pattern=OPTIONAL_IMPORT_PATH)
     """Hook `package.module:function`, called with each admitted prompt's dict; a false
     result skips the prompt (its group retires `filtered`, counted as `skipped_prompts`).
+    A filter that rejects every prompt of an epoch stops the run, saying so. For the
+    row index, the epoch or state shared with the advantages, use `rollout_loop`.
     Empty: every prompt is generated."""
+    rollout_loop: str = Field("", pattern=OPTIONAL_IMPORT_PATH)
+    """A stateful rollout loop `package.module:Class`, a subclass of
+    `workers.rollout_loop.RolloutLoop` (TRL's AsyncRolloutLoop hooks): one instance per
+    generator and per scorer; its `filter_prompt(row_index, row, epoch)` runs in the
+    generators, its `compute_advantages(group)` in the scorers, and they share per-prompt
+    state through Redis (`self.state`; docs/environments.md). Replaces
+    `generation.filter_prompt` and `scoring.advantages`. Empty: none."""
     rollout: str = Field("", pattern=OPTIONAL_IMPORT_PATH)
     """Hook `package.module:function` that produces a group's rollouts itself (TRL's
     rollout_func): `async def f(prompt, ctx) -> list[Episode]`, where `ctx`

@@ -28,7 +28,9 @@ class UpConfig(_Section):
     """A role that exits abnormally (a crash, ``kill -9``) is restarted after a backoff
     (1 s, doubling per crash, at most 30 s; the trainer resumes from its checkpoint); the
     run stops, naming the role and its log tail, when one role crashed more than this many
-    times within restart_window_s. 0 = stop the run at the first crash."""
+    times within restart_window_s. 0 = stop the run at the first crash. A role that exits
+    78 (an error no restart can fix, e.g. a filter that rejected a whole epoch) stops the
+    run at once."""
     restart_window_s: float = Field(300.0, gt=0)
     """The window in which a role's crashes count against max_restarts."""
     end_timeout_s: float = Field(600.0, ge=0)

@@ -47,6 +47,16 @@ def rollout_hook_excludes_environment(cfg: Config) -> None:
                          "it cannot be combined with environment.name")
 
 
+def rollout_loop_replaces_hooks(cfg: Config) -> None:
+    """A rollout loop's filter and advantages replace the one-function hooks: one of
+    them only, so no run has two filters whose order would matter."""
+    if cfg.generation.rollout_loop and (cfg.generation.filter_prompt
+                                        or cfg.scoring.advantages):
+        raise ValueError("generation.rollout_loop: its filter_prompt and compute_advantages "
+                         "replace generation.filter_prompt and scoring.advantages; set "
+                         "the loop or those hooks, not both")
+
+
 def micro_batch_holds_a_rollout(cfg: Config) -> None:
     """A micro-batch token budget must fit a prompt plus the longest rollout."""
     mbt, longest = cfg.trainer.micro_batch_tokens, cfg.max_rollout_tokens
@@ -145,6 +155,7 @@ def score_centering_on(cfg: Config) -> bool:
 CROSS_SECTION_RULES: tuple[Callable[[Config], None], ...] = (
     vllm_engine_has_servers,
     rollout_hook_excludes_environment,
+    rollout_loop_replaces_hooks,
     micro_batch_holds_a_rollout,
     eval_vllm_has_own_servers,
     partitions_fit_the_window,

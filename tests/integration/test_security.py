@@ -150,6 +150,11 @@ CASES: list[tuple[str, tuple[Any, ...], bool]] = [
     ("generator", ("HSET", L, "0", "g|1"), True),
     ("generator", ("HSET", W, "generator/x", "{}"), True),
     ("generator", ("XREVRANGE", C, "+", "-", "COUNT", 1), True),
+    # the rollout loop's per-prompt state (read and write), the per-epoch skip counts
+    ("generator", ("HMGET", K.loop, "0", "1"), True),
+    ("generator", ("HSET", K.loop, "0", "0.5"), True),
+    ("generator", ("HGET", K.skipped, "0"), True),
+    ("generator", ("DEL", K.loop), False),
     ("generator", ("XREAD", "COUNT", 1, "STREAMS", C, "0"), True),
     ("generator", ("XRANGE", R, "-", "+"), False),
     ("generator", ("XREADGROUP", "GROUP", TRAINERS_GROUP, "g", "STREAMS", S, ">"), False),
@@ -178,6 +183,10 @@ CASES: list[tuple[str, tuple[Any, ...], bool]] = [
     ("scorer", ("XGROUP", "CREATE", S, TRAINERS_GROUP, "0", "MKSTREAM"), True),
     ("scorer", ("XADD", S, "*", "m", "x"), True),
     ("scorer", ("HINCRBY", ST, "retired", 0), True),
+    ("scorer", ("HMGET", K.loop, "0"), True),
+    ("scorer", ("HSET", K.loop, "0", "1.0"), True),
+    ("scorer", ("HINCRBY", K.skipped, "0", 1), False),
+    ("scorer", ("DEL", K.loop), False),
     ("scorer", ("XREVRANGE", C, "+", "-", "COUNT", 1), True),
     ("scorer", ("XADD", C, "*", "m", "x"), False),
     ("scorer", ("XREADGROUP", "GROUP", TRAINERS_GROUP, "s", "STREAMS", S, ">"), False),
@@ -204,12 +213,14 @@ CASES: list[tuple[str, tuple[Any, ...], bool]] = [
     ("trainer", ("XADD", R, "*", "m", "x"), False),
     ("trainer", ("XADD", S, "*", "m", "x"), False),
     ("trainer", ("HSET", L, "0", "t|1"), False),
+    ("trainer", ("HSET", K.loop, "0", "1.0"), False),
     # evaluator: follows control, heartbeats
     ("evaluator", ("XREVRANGE", C, "+", "-", "COUNT", 1), True),
     ("evaluator", ("HSET", K.heartbeats("evaluator"), "evaluator/x", "{}"), True),
     ("evaluator", ("HSET", W, "generator/x", "{}"), False),
     ("evaluator", ("XADD", C, "*", "m", "x"), False),
     ("evaluator", ("HGETALL", ST), False),
+    ("evaluator", ("HMGET", K.loop, "0"), False),
     ("evaluator", ("XRANGE", S, "-", "+"), False),
     # monitor: reads everything of the run, writes nothing
     ("monitor", ("XLEN", R), True),
@@ -220,6 +231,8 @@ CASES: list[tuple[str, tuple[Any, ...], bool]] = [
     ("monitor", ("XREAD", "COUNT", 1, "STREAMS", D, "0"), True),
     ("monitor", ("HGETALL", W), True),
     ("monitor", ("HKEYS", L), True),
+    ("monitor", ("HGETALL", K.loop), True),
+    ("monitor", ("HSET", K.loop, "0", "1"), False),
     ("monitor", ("GET", K.op("generator", "emit:0:g")), True),  # `sluice audit` reads them
     ("monitor", ("GET", K.op("trainer", "trained:t:1:1-0")), True),
     ("monitor", ("SET", K.op("generator", "emit:0:g"), "1"), False),
@@ -328,7 +341,7 @@ def test_roles_run_their_scripts_through_bus_with_their_own_users(
 def test_each_role_runs_its_idempotent_scripts_and_janitor_in_its_own_op_namespace(
         acl: AclServer, admin: redis.Redis) -> None:
     """Every idempotent script through `Bus`, each as the role that calls it in the
-    pipeline (generator: emit, abandon; scorer: hand-off, retire, dead-letter, janitor;
+    pipeline (generator: emit, abandon, skip; scorer: hand-off, retire, dead-letter, janitor;
     trainer: retire, dead-letter, janitor): nothing refused, and each result is stored
     under its caller's op namespace only."""
     srv, creds_file = acl.srv, acl.creds
@@ -342,11 +355,15 @@ def test_each_role_runs_its_idempotent_scripts_and_janitor_in_its_own_op_namespa
         try:
             await sc.ensure_group(R, SCORERS_GROUP)
             await sc.ensure_group(S, TRAINERS_GROUP)
-            cursors = [await gen.admit(8, "generator/g") for _ in range(5)]
+            cursors = [await gen.admit(8, "generator/g") for _ in range(6)]
             for c in cursors[:4]:
                 assert await gen.emit(b"g", cursor=c, owner="generator/g", op=f"emit:{c}")
             assert await gen.abandon("0:4", cursor=cursors[4], owner="generator/g",
                                      reason="test", role="generator/g", op="abandon:4")
+            assert await gen.skip(cursors[5], owner="generator/g", op="skip:5", epoch=0)
+            assert await gen.skipped_in_epoch(0) == 1
+            await gen.loop_write({5: "0.5"})
+            assert await sc.loop_read([5, 6]) == {5: 0.5, 6: None}
             got = await sc.read_group(R, SCORERS_GROUP, "s", count=4, block_ms=10)
             for n, e in enumerate(got[:2]):
                 assert await sc.handoff(R, SCORERS_GROUP, e.id, S, b"sg", op=f"handoff:{n}")
@@ -362,7 +379,7 @@ def test_each_role_runs_its_idempotent_scripts_and_janitor_in_its_own_op_namespa
                                         role="t", retire=True, op="dead:1")
             assert await tr.trim_acked(S, keep_ms=0) == 1
             st = await tr.state()
-            assert st["cursor"] == 5 and st["retired"] == 5 and st["generating"] == 0
+            assert st["cursor"] == 6 and st["retired"] == 6 and st["generating"] == 0
         finally:
             for b in (gen, sc, tr):
                 await b.close()
@@ -372,9 +389,10 @@ def test_each_role_runs_its_idempotent_scripts_and_janitor_in_its_own_op_namespa
     stored = sorted(k.decode().removeprefix(f"{K.prefix}:op:")
                     for k in admin.scan_iter(match=f"{K.prefix}:op:*"))
     admits = [s for s in stored if s.startswith("generator:admit:")]  # one per admit call
-    assert admits and len(admits) <= 5
+    assert admits and len(admits) <= 6
     stored = [s for s in stored if s not in admits]
     assert stored == sorted([*(f"generator:emit:{c}" for c in range(4)), "generator:abandon:4",
+                             "generator:skip:5",
                              "scorer:handoff:0", "scorer:handoff:1", "scorer:filtered:2",
                              "scorer:dead:3", "trainer:trained:0", "trainer:dead:1"])
 

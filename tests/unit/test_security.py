@@ -132,7 +132,7 @@ def test_template_renders_one_user_per_role_with_hashed_passwords() -> None:
     assert "$" not in text and "#" not in text.replace(" #", " ")  # nothing left unrendered
     keys = set(re.findall(r"~(sluice:\{[^}]*\}:[\w:*]+)", text))
     names = ("rollouts", "scored", "control", "dlq", "state", "leases", "trainer",
-             *(f"workers:{r}" for r in HEARTBEAT_ROLES),
+             "skipped", "loop", *(f"workers:{r}" for r in HEARTBEAT_ROLES),
              "op:generator:*", "op:scorer:*", "op:trainer:*", "*")
     # the run's keys, and each pattern again for the run's lanes (docs/scaling.md)
     assert keys == {f"sluice:{{{tag}}}:{k}" for k in names for tag in ("demo", "demo~*")}
