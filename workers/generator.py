@@ -52,7 +52,7 @@ from workers.engines.base import Engine, EngineError, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.environments.base import EpisodeFailure
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
-from workers.hooks import load_filter, load_rollout, render_group_prompt
+from workers.hooks import load_filter, load_rollout, render_group_prompt, tool_stats
 from workers.staleness import WeightsBehind
 from workers.tasks.catalog import Task, prompt_for_cursor, task_from_config
 from workers.tasks.prompts import Messages
@@ -86,7 +86,7 @@ class Generator:
         self.engine: Engine = make_engine(cfg, self.tokenizer, seed)
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
         self.params = SamplingParams.of(cfg.generation)
-        self.rollout = load_rollout(cfg)  # None: single completions
+        self.rollout = load_rollout(cfg, self.tokenizer)  # None: single completions
         self.filter = load_filter(cfg)
         self.limits = limits(cfg)  # the scorer's decode limits: same function, same config
         self.batcher = TurnBatcher(self.engine)  # episodes in flight share engine batches
@@ -124,6 +124,7 @@ class Generator:
                 "waiting_for_weights": self.behind.waiting,
                 "weights_behind": self.behind.behind(self.engine.version),
                 "weights_wait_s": round(self.behind.wait_s, 3),
+                **({"tools": tools} if (tools := tool_stats(self.rollout)) is not None else {}),
                 **({"healthy": False} if not engine.get("healthy", True) else {})}
 
     async def apply(self, msg: WeightsPublished) -> None:
@@ -290,7 +291,7 @@ class Generator:
         n = self.cfg.generation.num_generations
         ctx = RolloutContext(prompt, ids, n, self.params, self.tokenizer, self.batcher,
                              self.engine.version, conversation=conv)
-        what = "the environment" if self.cfg.environment.name else "generation.rollout"
+        what = "the environment" if self.cfg.environment.enabled else "generation.rollout"
         try:
             return check_episodes(await self.rollout(dict(prompt), ctx), n, what)
         except EpisodeFailure as e:
@@ -486,8 +487,9 @@ def preflight(cfg: Config, policy_tokenizer: Callable[[], Any]) -> Task:
         device = resolve_device(cfg.generation.device, "generation.device")
         check_attention(cfg.model.attn_implementation, device.type,
                         device_key="generation.device")
-    task = task_from_config(cfg, policy_tokenizer())
-    load_rollout(cfg)
+    tokenizer = policy_tokenizer()
+    task = task_from_config(cfg, tokenizer)
+    load_rollout(cfg, tokenizer)
     load_filter(cfg)
     check_store(cfg, write=False)
     return task
