@@ -25,8 +25,12 @@ beat's wall time ``t``. The trainer reads the generator heartbeats once per step
 With ``environment.tools`` a generator's beat also carries ``tools``: per tool its
 cumulative ``calls``, ``failures`` and summed ``latency_s`` (`workers.environments.tools`),
 next to its cumulative ``completions``. `RolloutMeter.update` reports what changed since
-the trainer's previous read (each generator's first beat is its baseline; a count that
-went down is a new process, whose counts are all new), summed over generators:
+the trainer's previous read, summed over generators. A generator's counts run from its
+own start, so in a fresh run its first beat counts in full (the calls of the groups the
+first step trained were made before the trainer's first read: a baseline there would
+drop them); a trainer that ``resumed`` from a checkpoint takes each generator's first
+beat as its baseline instead (a trainer process before it may have reported those
+counts). A count that went down is a new process, whose counts are all new:
 
 - ``tools/<name>/calls`` and ``tools/<name>/failures`` per tool (0 in a step without
   calls, once the tool was reported), ``tools/<name>/latency_s`` the mean seconds per
@@ -38,7 +42,8 @@ went down is a new process, whose counts are all new), summed over generators:
 TRL computes its two over the batch it trains on; here they are over the calls made
 between two trainer steps, by any generator, whatever became of the groups (a group that
 died or was filtered still called its tools). Beats are written every ``bus.heartbeat_s``,
-so calls show in the step after the beat that carries them; the sum over steps is exact.
+so calls show in the step after the beat that carries them; in a fresh run, the sum over
+steps is every call the generators reported by the last read (exact).
 
 Pure: no Redis, no clock; the trainer hands in what it read.
 """
@@ -85,6 +90,9 @@ class RolloutMeter:
     previous read: the baseline of the next deltas."""
     tool_names: list[str] = field(default_factory=list)
     """Every tool a generator reported, in first-seen order (their series run on at 0)."""
+    resumed: bool = False
+    """True once the trainer resumed from a checkpoint: a generator's first beat is then a
+    baseline, not new counts (module docstring)."""
 
     def update(self, beats: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
         """The ``rollout/*`` series for the generator heartbeats ``beats`` (id -> beat)."""
@@ -129,7 +137,9 @@ class RolloutMeter:
             before = self.tool_counts.get(wid)
             self.tool_counts[wid] = (done, now)
             if before is None:
-                continue  # its first beat: the baseline
+                if self.resumed:
+                    continue  # its first beat after a resume: the baseline
+                before = (0, {})  # a fresh run: everything since the generator started
             prev_done, prev = before
             restarted = done < prev_done or any(
                 n in prev and now[n][0] < prev[n][0] for n in now)

@@ -354,12 +354,24 @@ def _beat(completions: int, **tools: tuple[int, int, float]) -> dict[str, Any]:
         k: {"calls": c, "failures": f, "latency_s": lat} for k, (c, f, lat) in tools.items()}}
 
 
-def test_meter_turns_heartbeat_counters_into_step_series() -> None:
+def test_meter_counts_a_fresh_runs_first_beat_in_full() -> None:
+    """In a fresh run the calls made before the trainer's first read (those of the groups
+    its first step trained) count in that step: the generator's counts start at 0."""
     m = RolloutMeter()
+    assert m.update({"g1": _beat(8, add=(4, 1, 0.4))}) == {
+        "tools/add/calls": 4.0, "tools/add/failures": 1.0,
+        "tools/add/latency_s": pytest.approx(0.1), "tools/call_frequency": 0.5,
+        "tools/failure_frequency": 0.25}
+    out = m.update({"g1": _beat(10, add=(6, 1, 0.6))})
+    assert out["tools/add/calls"] == 2 and out["tools/add/failures"] == 0
+
+
+def test_meter_turns_heartbeat_counters_into_step_series() -> None:
+    m = RolloutMeter(resumed=True)
     assert m.update({"g1": {"completions": 5}}) == {}  # a run without tools: no series
     assert m.update({"g1": _beat(8, add=(4, 1, 0.4))}) == {
         "tools/add/calls": 0.0, "tools/add/failures": 0.0,
-        "tools/failure_frequency": 0.0}  # the first beat is the baseline
+        "tools/failure_frequency": 0.0}  # after a resume the first beat is the baseline
     out = m.update({"g1": _beat(16, add=(10, 2, 1.0), echo=(2, 2, 0.5)),
                     "g2": _beat(3, add=(1, 0, 0.1))})
     assert out["tools/add/calls"] == 6 and out["tools/add/failures"] == 1
