@@ -94,7 +94,7 @@ def run_config(run_dir: Path) -> Config:
     if saved is None:
         raise SystemExit(f"{run_dir} has no run.json: not a sluice run directory")
     cfg = Config.model_validate(saved["config"])
-    if cfg.environment.name or cfg.generation.rollout:
+    if cfg.environment.enabled or cfg.generation.rollout:
         raise SystemExit("export_check compares single completions; this run's "
                          "environment / rollout hook makes episodes")
     return cfg

@@ -78,9 +78,11 @@ sluice's ``reward_std`` is the population std over the step's samples (TRL: unbi
 loss_type ``cispo`` the capped fraction is ``clip_ratio/high_mean`` (TRL:
 ``cispo_clip_ratio``). Every other key is sluice's own and goes to ``sluice/<key>``."""
 
-TRL_PREFIXES = ("perf/", "batch/", "sample/", "sampling/", "rollout/")
+TRL_PREFIXES = ("perf/", "batch/", "sample/", "sampling/", "rollout/", "tools/")
 """Keys the trainer already writes under TRL's names (MFU, forward/backward time, the
-forwarded layout, score centering's ``sampling/*``, the generators' ``rollout/*``):
+forwarded layout, score centering's ``sampling/*``, the generators' ``rollout/*`` and
+``tools/*``: TRL's ``tools/call_frequency``, ``tools/failure_frequency``, and the
+per-tool ``tools/<name>/*`` beside them):
 logged as they are (docs/metrics.md), and shown on ``batch_figure`` in /metrics."""
 
 SLUICE_PREFIX = "sluice/"

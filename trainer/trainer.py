@@ -280,6 +280,8 @@ class Trainer:
         if st is not None:
             self.state = st
             self.reader.restore(st.trained_ids)
+            if self.rollout_meter is not None:  # generators' tool counts: partly reported
+                self.rollout_meter.resumed = True
             log.info("resumed from step %d (version %d)", st.step, st.version)
         if redis_version >= self.state.version and (st is not None or redis_version > 0):
             # the bus has seen this version (or newer): announce ours as the next one

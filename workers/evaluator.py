@@ -184,7 +184,7 @@ class Evaluator:
         # one reward process for the evaluator's life, killed and replaced on a hang
         self.runner = RewardRunner(self.rewards, cfg.scoring.reward_timeout_s)
         self.reward_errors = 0  # evaluations skipped: a reward call failed
-        self.rollout = load_rollout(cfg)  # episodes, as the generators make them
+        self.rollout = load_rollout(cfg, self.tokenizer)  # as the generators make them
         self.sampling = SamplingParams.of(cfg.generation, top_logprobs=False)
         cfg.output_path.mkdir(parents=True, exist_ok=True)  # started alone, before any role
         self.path = cfg.output_path / "eval.jsonl"

@@ -52,7 +52,7 @@ from workers.engines.base import Engine, EngineError, SamplingParams
 from workers.engines.transformers import TransformersEngine
 from workers.environments.base import EpisodeFailure
 from workers.episodes import Episode, RolloutContext, TurnBatcher, check_episodes
-from workers.hooks import load_filter, load_rollout, render_group_prompt
+from workers.hooks import load_filter, load_rollout, render_group_prompt, tool_stats
 from workers.prompt_filter import PromptFilter
 from workers.rollout_loop import load_loop
 from workers.staleness import WeightsBehind
@@ -88,7 +88,7 @@ class Generator:
         self.engine: Engine = make_engine(cfg, self.tokenizer, seed)
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
         self.params = SamplingParams.of(cfg.generation)
-        self.rollout = load_rollout(cfg)  # None: single completions
+        self.rollout = load_rollout(cfg, self.tokenizer)  # None: single completions
         self.filter = PromptFilter(cfg, len(self.task))
         self.limits = limits(cfg)  # the scorer's decode limits: same function, same config
         self.batcher = TurnBatcher(self.engine)  # episodes in flight share engine batches
@@ -123,9 +123,10 @@ class Generator:
                 "gate_wait_s": round(self.gate_wait_s, 3), "gate_closed": self.gate_closed,
                 "rejected_weights": self.rejected_weights, "taken_over": self.taken_over,
                 "lost_leases": self.lost_leases, "leases": len(self.leases), "engine": engine,
-                "waiting_for_weights": self.behind.waiting,
-                "weights_behind": self.behind.behind(self.engine.version),
+                "waiting_for_weights": self.behind.waiting, "weights_behind": self.behind.behind(
+                    self.engine.version),
                 "weights_wait_s": round(self.behind.wait_s, 3),
+                **({"tools": tools} if (tools := tool_stats(self.rollout)) is not None else {}),
                 **({"healthy": False} if not engine.get("healthy", True) else {})}
 
     async def apply(self, msg: WeightsPublished) -> None:
@@ -292,7 +293,7 @@ class Generator:
         n = self.cfg.generation.num_generations
         ctx = RolloutContext(prompt, ids, n, self.params, self.tokenizer, self.batcher,
                              self.engine.version, conversation=conv)
-        what = "the environment" if self.cfg.environment.name else "generation.rollout"
+        what = "the environment" if self.cfg.environment.enabled else "generation.rollout"
         try:
             return check_episodes(await self.rollout(dict(prompt), ctx), n, what)
         except EpisodeFailure as e:
@@ -486,8 +487,9 @@ def preflight(cfg: Config, policy_tokenizer: Callable[[], Any]) -> Task:
         device = resolve_device(cfg.generation.device, "generation.device")
         check_attention(cfg.model.attn_implementation, device.type,
                         device_key="generation.device")
-    task = task_from_config(cfg, policy_tokenizer())
-    load_rollout(cfg)
+    tokenizer = policy_tokenizer()
+    task = task_from_config(cfg, tokenizer)
+    load_rollout(cfg, tokenizer)
     load_filter(cfg)
     load_loop(cfg, "generator")
     check_store(cfg, write=False)

@@ -4,7 +4,7 @@ read by the generators (and the evaluator, which samples with generation's setti
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -139,11 +139,25 @@ class GenerationConfig(_Section):
     the engine. Empty: single-turn completions, or episodes of `[environment]`."""
 
 
+ImportPath = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+
+
 class EnvironmentConfig(_Section):
     name: str = Field("", pattern=OPTIONAL_IMPORT_PATH)
     """A multi-turn environment, `package.module:Factory` (a class or function), built
     with `kwargs` once per episode; its async `reset(prompt)` / `step(action)` answer the
-    model's turns (`workers.environments`). Empty: single-turn rollouts."""
+    model's turns (`workers.environments`). Empty: single-turn rollouts (or `tools`)."""
+    tools: list[ImportPath] = Field(default_factory=list)
+    """Tools as plain functions, `package.module:function` each (sync or async; TRL's
+    `tools=`): their schemas (from signature and docstring) go to the chat template, and
+    the tool calls of each model turn run, their results inserted as `tool` messages
+    (mask 0) until a turn calls none or `max_turns` is reached (TRL's
+    max_tool_calling_iterations + 1). Needs a chat template that renders tools and whose
+    tool calls sluice parses (checked at start); not with `name` (docs/environments.md)."""
+    tool_timeout_s: float = Field(10.0, gt=0)
+    """Per tool call: one that takes longer is a failed call whose error the model reads
+    as the tool's answer (a plain function's thread cannot be stopped and runs on); must
+    stay below `step_timeout_s`, which bounds a whole turn's calls."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the environment's factory."""
     max_turns: int = Field(4, ge=1, le=1000)
@@ -161,3 +175,8 @@ class EnvironmentConfig(_Section):
     """An observation that would take an episode past `max_episode_tokens`: `truncate`
     ends the episode there (`length`, like a completion at `max_new_tokens`); `dead`
     retires the whole group with the reason."""
+
+    @property
+    def enabled(self) -> bool:
+        """Rollouts are this section's episodes: a named environment, or `tools`."""
+        return bool(self.name or self.tools)

@@ -42,9 +42,23 @@ def vllm_engine_has_servers(cfg: Config) -> None:
 
 def rollout_hook_excludes_environment(cfg: Config) -> None:
     """A rollout hook and an environment both produce episodes: one of them only."""
-    if cfg.environment.name and cfg.generation.rollout:
+    if cfg.environment.enabled and cfg.generation.rollout:
         raise ValueError("generation.rollout: a rollout hook produces the episodes itself; "
-                         "it cannot be combined with environment.name")
+                         "it cannot be combined with environment.name or environment.tools")
+
+
+def tools_are_their_own_environment(cfg: Config) -> None:
+    """``environment.tools`` runs the built-in tool-calling environment: not with another
+    environment, and each call's timeout fits inside the turn's step timeout."""
+    e = cfg.environment
+    if e.tools and e.name:
+        raise ValueError("environment.tools: the tools run as an environment of their own; "
+                         "they cannot be combined with environment.name (expose them from "
+                         "that environment's step instead)")
+    if e.tools and e.tool_timeout_s >= e.step_timeout_s:
+        raise ValueError(f"environment.tool_timeout_s: {e.tool_timeout_s:g}s must be below "
+                         f"environment.step_timeout_s ({e.step_timeout_s:g}s), which bounds "
+                         "all of a turn's calls together")
 
 
 def rollout_loop_replaces_hooks(cfg: Config) -> None:
@@ -156,6 +170,7 @@ CROSS_SECTION_RULES: tuple[Callable[[Config], None], ...] = (
     vllm_engine_has_servers,
     rollout_hook_excludes_environment,
     rollout_loop_replaces_hooks,
+    tools_are_their_own_environment,
     micro_batch_holds_a_rollout,
     eval_vllm_has_own_servers,
     partitions_fit_the_window,
@@ -204,8 +219,9 @@ class Config(_Section):
 
     @property
     def multi_turn(self) -> bool:
-        """Rollouts are episodes (an environment or a rollout hook), not one completion."""
-        return bool(self.environment.name or self.generation.rollout)
+        """Rollouts are episodes (an environment, tools or a rollout hook), not one
+        completion."""
+        return bool(self.environment.enabled or self.generation.rollout)
 
     @property
     def max_rollout_tokens(self) -> int:

@@ -44,8 +44,13 @@ log = logging.getLogger("sluice.environments")
 _PROBE_USER, _PROBE_ASSISTANT = "u", "sluice-probe-7f3a"
 
 
-def _template(tokenizer: Any, messages: Messages, generation_prompt: bool) -> str:
-    return str(tokenizer.apply_chat_template(messages, tokenize=False,
+Schemas = list[dict[str, Any]] | None
+"""The tools' JSON schemas the chat template renders (``environment.tools``), or None."""
+
+
+def _template(tokenizer: Any, messages: Messages, generation_prompt: bool,
+              tools: Schemas = None) -> str:
+    return str(tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                              add_generation_prompt=generation_prompt))
 
 
@@ -54,7 +59,7 @@ def observation_messages(obs: str | Messages, role: str) -> Messages:
 
 
 def observation_text(tokenizer: Any, obs: str | Messages, *, role: str,
-                     after_eos: bool) -> str:
+                     after_eos: bool, tools: Schemas = None) -> str:
     """The text inserted after a model turn for observation ``obs``.
 
     Without a chat template: the observation's text as is (messages: their contents
@@ -70,8 +75,8 @@ def observation_text(tokenizer: Any, obs: str | Messages, *, role: str,
         return "".join(str(m.get("content", "")) for m in obs)
     base_msgs = [{"role": "user", "content": _PROBE_USER},
                  {"role": "assistant", "content": _PROBE_ASSISTANT}]
-    base = _template(tokenizer, base_msgs, False)
-    full = _template(tokenizer, base_msgs + observation_messages(obs, role), True)
+    base = _template(tokenizer, base_msgs, False, tools)
+    full = _template(tokenizer, base_msgs + observation_messages(obs, role), True, tools)
     if not full.startswith(base):
         raise EpisodeFailure("the chat template renders an earlier conversation differently "
                              "once an observation follows; it cannot be extended turn by turn")
@@ -83,35 +88,36 @@ def observation_text(tokenizer: Any, obs: str | Messages, *, role: str,
 
 
 def observation_ids(tokenizer: Any, obs: str | Messages, *, role: str,
-                    after_eos: bool) -> list[int]:
+                    after_eos: bool, tools: Schemas = None) -> list[int]:
     """Token ids of `observation_text` (no special tokens added around them)."""
-    text = observation_text(tokenizer, obs, role=role, after_eos=after_eos)
+    text = observation_text(tokenizer, obs, role=role, after_eos=after_eos, tools=tools)
     return list(tokenizer(text, add_special_tokens=False).input_ids) if text else []
 
 
-def episode_prompt(tokenizer: Any, prompt: str | Messages, system_prompt: str = ""
-                   ) -> tuple[list[int], Messages | None]:
+def episode_prompt(tokenizer: Any, prompt: str | Messages, system_prompt: str = "",
+                   tools: Schemas = None) -> tuple[list[int], Messages | None]:
     """A group's prompt ids for episodes, and the conversation they render.
 
     With a chat template the prompt is rendered *without* the generation prompt: each
     episode opens with its own mask-0 segment (`opening_text`: the reset observation, if
     any, as a turn of its own, then the generation prompt), so the tokens are exactly the
     template's rendering of the episode's messages. Without one: `render_prompt`'s ids
-    and None (observations follow the prompt as plain text)."""
+    and None (observations follow the prompt as plain text). ``tools``: the schemas the
+    template renders (``environment.tools``), in every rendering of the episode."""
     if not getattr(tokenizer, "chat_template", None):
         return render_prompt(tokenizer, prompt, system_prompt), None
     conv = messages_of(prompt, system_prompt)
-    text = _template(tokenizer, conv, False)
+    text = _template(tokenizer, conv, False, tools)
     return list(tokenizer(text, add_special_tokens=False).input_ids), conv
 
 
 def opening_text(tokenizer: Any, conversation: Messages, obs: Observation, *,
-                 role: str) -> str:
+                 role: str, tools: Schemas = None) -> str:
     """What follows `episode_prompt`'s ids before the model's first turn: the reset
     observation as ``role`` turn(s) (none for None) and the generation prompt."""
-    base = _template(tokenizer, conversation, False)
+    base = _template(tokenizer, conversation, False, tools)
     extra = observation_messages(obs, role) if obs else []
-    full = _template(tokenizer, conversation + extra, True)
+    full = _template(tokenizer, conversation + extra, True, tools)
     if not full.startswith(base):
         raise EpisodeFailure("the chat template renders the prompt differently once an "
                              "observation follows; it cannot be extended turn by turn")
@@ -133,8 +139,9 @@ class EnvironmentRunner:
 
     def __init__(self, factory: EnvFactory, *, max_turns: int, max_episode_tokens: int,
                  step_timeout_s: float, observation_role: str = "user",
-                 overflow: str = "truncate") -> None:
+                 overflow: str = "truncate", tools: Schemas = None) -> None:
         self.factory = factory
+        self.tools = tools  # the schemas every rendering passes to the template
         self.max_turns = max_turns
         self.max_episode_tokens = max_episode_tokens
         self.step_timeout_s = step_timeout_s
@@ -143,10 +150,29 @@ class EnvironmentRunner:
         self.counts = {"episodes": 0, "turns": 0, "truncated": 0}
 
     @classmethod
-    def from_config(cls, cfg: Any) -> EnvironmentRunner:
+    def from_config(cls, cfg: Any, tokenizer: Any = None) -> EnvironmentRunner:
+        """The configured environment's runner; with ``environment.tools``, the tool-calling
+        environment's (`workers.environments.tools`), whose template is checked when the
+        policy's ``tokenizer`` is given. A bad setting is a ``ConfigError`` naming its key."""
         from pipeline.config import ConfigError
 
         e = cfg.environment
+        if e.tools:
+            from workers.environments.tools import ToolBox, check_template, load_tools
+
+            try:
+                tools = load_tools(e.tools)
+                if tokenizer is not None:
+                    check_template(tokenizer, [t.schema for t in tools])
+            except ValueError as err:
+                msg = str(err)
+                raise ConfigError(msg if msg.startswith("environment.tools")
+                                  else f"environment.tools: {msg}") from None
+            box = ToolBox(tools, timeout_s=e.tool_timeout_s, max_turns=e.max_turns,
+                          tokenizer=tokenizer)
+            return cls(box, max_turns=e.max_turns, max_episode_tokens=e.max_episode_tokens,
+                       step_timeout_s=e.step_timeout_s, observation_role="tool",
+                       overflow=e.overflow, tools=box.schemas)
         try:
             factory = load_environment(e.name, e.kwargs)
         except ValueError as err:
@@ -195,7 +221,8 @@ class EnvironmentRunner:
                                            what="reset"), "reset")
         finish = "length"
         if ctx.conversation is not None:  # a chat template: the episode's own opening
-            ids = list(tok(opening_text(tok, ctx.conversation, obs, role=self.role),
+            ids = list(tok(opening_text(tok, ctx.conversation, obs, role=self.role,
+                                        tools=self.tools),
                            add_special_tokens=False).input_ids)
             if len(ids) >= self.max_episode_tokens:
                 raise EpisodeFailure(f"the episode's opening (reset observation and "
@@ -206,7 +233,7 @@ class EnvironmentRunner:
             if obs:
                 messages.extend(observation_messages(obs, self.role))
         elif obs:
-            ids = observation_ids(tok, obs, role=self.role, after_eos=False)
+            ids = observation_ids(tok, obs, role=self.role, after_eos=False, tools=self.tools)
             if len(ids) >= self.max_episode_tokens:  # no room for a model turn after it
                 raise EpisodeFailure(f"the reset observation does not fit "
                                      f"environment.max_episode_tokens "
@@ -244,7 +271,7 @@ class EnvironmentRunner:
                 after_eos: bool) -> bool:
         """Insert an observation; False when it does not fit (the episode ends)."""
         assert obs is not None
-        ids = observation_ids(tok, obs, role=self.role, after_eos=after_eos)
+        ids = observation_ids(tok, obs, role=self.role, after_eos=after_eos, tools=self.tools)
         # room for the observation and at least one model token after it
         if len(b) + len(ids) >= self.max_episode_tokens:
             if self.overflow == "dead":
