@@ -300,9 +300,7 @@ class Generator:
             return f"environment: {e}"
         except EngineError as e:
             return str(e)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a user's hook: its failure is its group's, the run goes on
+        except Exception as e:  # a user hook failed: its group dies, the run goes on
             return f"{what}: {e!r}"
 
     async def skip_prompts(self, bus: Bus, cursors: list[int]) -> list[int]:
