@@ -39,8 +39,8 @@ def test_each_rule_fails_naming_its_key(overrides: list[str], message: str) -> N
         load_config(None, overrides)
 
 
-def test_there_are_twelve_rules_each_a_function_of_the_config() -> None:
-    assert len(CROSS_SECTION_RULES) == 12
+def test_there_are_thirteen_rules_each_a_function_of_the_config() -> None:
+    assert len(CROSS_SECTION_RULES) == 13
     cfg = load_config(None)
     assert all(rule(cfg) is None for rule in CROSS_SECTION_RULES)
 
