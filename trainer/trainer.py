@@ -236,9 +236,14 @@ class Trainer:
         carries, whatever the transport."""
         frozen = self.setup.frozen
         if not self.ranks.distributed:
-            return without_frozen(self.model.state_dict(), frozen) if frozen else self.model
+            return self.local_weights()
         state = full_state(self.model, self.ranks)
         return without_frozen(state, frozen) if frozen and state else state
+
+    def local_weights(self) -> dict[str, torch.Tensor] | torch.nn.Module:
+        """`weights` of this process's model, without gathering (one process)."""
+        frozen = self.setup.frozen
+        return without_frozen(self.model.state_dict(), frozen) if frozen else self.model
 
     def step_all(self, header: StepHeader, groups: list[ScoredGroup]
                  ) -> tuple[dict[str, float], Any]:
@@ -257,7 +262,7 @@ class Trainer:
         then the files; the disk work in a worker thread) and announce it (not without a
         bus: a replay, `trainer.replay`)."""
         t0 = time.perf_counter()
-        msg = await self.store.publish(self.weights() if source is None else source,
+        msg = await self.store.publish(self.local_weights() if source is None else source,
                                        version=self.state.version, step=self.state.step)
         self.last.update(self.store.stats)
         if bus is not None:

@@ -61,6 +61,13 @@ def _batch(seed: int = 7):
     return build_batch(groups, pad_id=0)
 
 
+def _published(s: setup.TrainSetup) -> dict[str, torch.Tensor]:
+    """What `Trainer.weights` publishes for the trainer built by ``s`` (one process)."""
+    trainer = SimpleNamespace(setup=s, model=s.model, ranks=s.ranks)
+    trainer.local_weights = lambda: Trainer.local_weights(trainer)  # type: ignore[arg-type]
+    return Trainer.weights(trainer)  # type: ignore[arg-type,return-value]
+
+
 def _tower(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items() if k.startswith(TOWER)}
 
@@ -128,7 +135,7 @@ def test_the_trainer_trains_only_the_text_model_and_publishes_no_tower(
     assert saved and not any(k.startswith(TOWER) for k in saved)
     assert set(saved) == set(named) - tower
     # every version, full or delta, holds the trained tensors and nothing of the tower
-    source = Trainer.weights(SimpleNamespace(setup=s, model=s.model, ranks=s.ranks))
+    source = _published(s)
     assert set(source) == set(after) - tower
     transport = FileTransport(tmp_path / "weights", full_every=2,
                               cache_dir=tmp_path / "cache")
@@ -148,7 +155,7 @@ def test_an_nccl_push_sends_no_tower(vlm_dir: Path, tmp_path: Path) -> None:
 
     cfg = _cfg(vlm_dir, tmp_path / "run")
     s = setup.build(cfg)
-    source = Trainer.weights(SimpleNamespace(setup=s, model=s.model, ranks=s.ranks))
+    source = _published(s)
 
     async def main() -> list[tuple[int, str, dict[str, str], object]]:
         rdv = Rendezvous()
@@ -189,7 +196,7 @@ def test_the_in_process_engine_keeps_its_tower_bit_for_bit(vlm_dir: Path,
             optimize(s.fwd, s.optimizer, _batch(seed=version), s.settings)
             with torch.no_grad():  # someone trains the trainer's tower: never published
                 s.model.model.visual.merger.mlp[0].weight.add_(1.0)
-            source = Trainer.weights(SimpleNamespace(setup=s, model=s.model, ranks=s.ranks))
+            source = _published(s)
             msg = transport.write(source, version=version, step=version)
             assert await engine.load_weights(await transport.receive(msg), version)
             out = await engine.generate([[5, 6, 7]], 2, params)
@@ -257,7 +264,7 @@ def test_export_of_a_version_takes_the_tower_from_the_base(vlm_dir: Path,
     cfg = _cfg(vlm_dir, tmp_path / "run")
     s = setup.build(cfg)
     optimize(s.fwd, s.optimizer, _batch(), s.settings)
-    source = Trainer.weights(SimpleNamespace(setup=s, model=s.model, ranks=s.ranks))
+    source = _published(s)
     msg = FileTransport(tmp_path / "weights").write(source, version=1, step=1)
     published = read_full(tmp_path / "weights" / f"v{msg.version:08d}")
     model = load_full(Base(vlm_dir, str(vlm_dir), "float32", None), published)
