@@ -272,3 +272,16 @@ def test_export_of_a_version_takes_the_tower_from_the_base(vlm_dir: Path,
     got, want = model.state_dict(), base.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in _tower(want))
     assert all(torch.equal(got[k], v) for k, v in published.items())
+
+
+def test_model_flops_count_the_text_model_not_the_tower(vlm_dir: Path) -> None:
+    from trainer.perf import ModelShape
+
+    model, _ = load_model(vlm_dir)
+    linears = {n: m.weight.numel() for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    text = sum(v for n, v in linears.items() if n.startswith("model.language_model.")
+               or n == "lm_head")
+    shape = ModelShape.of(model)
+    assert shape.matmul_params == text < sum(linears.values())
+    assert (shape.layers, shape.attention_width) == (2, 64)
