@@ -285,3 +285,16 @@ def test_model_flops_count_the_text_model_not_the_tower(vlm_dir: Path) -> None:
     shape = ModelShape.of(model)
     assert shape.matmul_params == text < sum(linears.values())
     assert (shape.layers, shape.attention_width) == (2, 64)
+
+
+def test_init_model_builds_the_vlm_and_deployments_refuse_to(tmp_path: Path) -> None:
+    from sluice.cli import main
+    from sluice.deploy.plan import make_plan
+
+    assert main(["init-model", str(tmp_path / "m"), "--recipe", "tiny-char-qwen2_5_vl"]) == 0
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    cfg = load_config(None, [f"model.path={tmp_path / 'n'}", "model.init=tiny-char-qwen2_5_vl",
+                             f"run.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"model\.init: a deployment builds only"):
+        make_plan(cfg, "compose")
