@@ -1,7 +1,9 @@
 """Model/tokenizer construction and loading shared by workers and the trainer.
 
 The tiny model is built locally: a 76-symbol character tokenizer and a random-init
-Qwen2 causal LM. Any other causal LM transformers loads (``AutoModelForCausalLM``) and
+Qwen2 causal LM (or, recipe ``tiny-char-qwen2_5_vl``, that text model inside a tiny
+Qwen2.5-VL: `pipeline.vlm`). Any other causal LM transformers loads
+(``AutoModelForCausalLM``; a vision-language model through ``AutoModelForImageTextToText``) and
 its tokenizer (``AutoTokenizer``: fast or slow, so code here and downstream uses only
 `PreTrainedTokenizerBase` methods) load from a folder; a hub id is first resolved to its
 cached snapshot folder (`pipeline.hub`; roles get the run's pinned folder,
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
-    AutoModelForCausalLM,
+    AutoConfig,
     AutoTokenizer,
     GenerationConfig,
     PreTrainedTokenizerBase,
@@ -36,6 +38,13 @@ from transformers import (
 
 from pipeline.devices import DTYPES
 from pipeline.textdecode import GENERIC_TOKENIZERS
+from pipeline.vlm import (
+    TINY_VLM_RECIPE,
+    VISION_TOKENS,
+    auto_class,
+    image_processor_config,
+    tiny_vlm,
+)
 
 if TYPE_CHECKING:  # peft is imported lazily: full-weight runs never need it
     from peft import PeftModel
@@ -46,6 +55,9 @@ PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOS, BOS, UNK)  # ids 0..3, fixed by position
 PUNCTUATION: str = " =+-*,.:?!"
 VOCAB_SIZE = 76
+TINY_RECIPE = "tiny-char-qwen2"
+RECIPES: tuple[str, ...] = (TINY_RECIPE, TINY_VLM_RECIPE)
+"""What ``model.init`` / ``sluice init-model --recipe`` can build."""
 
 
 
@@ -115,8 +127,14 @@ def init_tiny_model(
     intermediate_size: int = 512,
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = False,
+    recipe: str = TINY_RECIPE,
 ) -> Path:
     """Write a random-init Qwen2 + char tokenizer to ``out_dir``; same seed -> same weights.
+
+    ``recipe`` ``tiny-char-qwen2_5_vl`` (`pipeline.vlm.TINY_VLM_RECIPE`): the same text
+    model as the text of a Qwen2.5-VL with a tiny vision tower (`pipeline.vlm.tiny_vlm`),
+    its tokenizer the char one plus Qwen2.5-VL's four vision tokens (ids 76-79), and an
+    image processor config (``preprocessor_config.json``) for servers that want one.
 
     ``tie_word_embeddings``: ``lm_head`` shares the input embedding (as in Qwen2.5-0.5B);
     the checkpoint then has no ``lm_head.weight`` (``save_pretrained`` drops the alias).
@@ -126,9 +144,14 @@ def init_tiny_model(
     is refused rather than overwritten, to avoid clobbering a real checkpoint.
     """
     out = Path(out_dir)
+    if recipe not in RECIPES:
+        raise ValueError(f"init_tiny_model: unknown recipe {recipe!r}; one of {RECIPES}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"init_tiny_model: refusing to overwrite non-empty path {out}")
     tok = build_char_tokenizer()
+    vlm = recipe == TINY_VLM_RECIPE
+    if vlm:
+        tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
     cfg = _tiny_config(
         hidden_size=hidden_size,
         num_layers=num_layers,
@@ -141,7 +164,8 @@ def init_tiny_model(
     # Fork the RNG so seeding here does not perturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(cfg).to(torch.float32)
+        model = (tiny_vlm(cfg.to_dict(), vocab_size=len(tok)) if vlm
+                 else Qwen2ForCausalLM(cfg).to(torch.float32))
     model.generation_config = GenerationConfig(
         eos_token_id=cfg.eos_token_id,
         pad_token_id=cfg.pad_token_id,
@@ -152,6 +176,9 @@ def init_tiny_model(
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+        if vlm:
+            (tmp / "preprocessor_config.json").write_text(
+                json.dumps(image_processor_config(), indent=2))
         if out.exists():
             out.rmdir()  # empty (checked above); rename cannot replace a directory otherwise
         os.replace(tmp, out)
@@ -171,11 +198,13 @@ def load_model(
     step that may download; offline it reads the cache), at ``revision``; transformers
     itself then only ever reads a local folder. ``attn_implementation`` is transformers'
     (``sdpa``, ``eager``, ``flash_attention_2``, or a `kernels` hub repo such as
-    ``kernels-community/flash-attn2`` on CUDA)."""
+    ``kernels-community/flash-attn2`` on CUDA). A vision-language checkpoint loads whole,
+    vision tower included (`pipeline.vlm.auto_class`)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     folder = _local_folder(path, revision)
-    model = AutoModelForCausalLM.from_pretrained(
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    model = auto_class(config).from_pretrained(
         folder, dtype=DTYPES[dtype], local_files_only=True,
         attn_implementation=attn_implementation,
     )

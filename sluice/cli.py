@@ -123,6 +123,10 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 def _init_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0, help="the tiny model's init seed")
+    p.add_argument("--recipe", default="tiny-char-qwen2",
+                   choices=("tiny-char-qwen2", "tiny-char-qwen2_5_vl"),
+                   help="the tiny model to build (model.init's values): a Qwen2, or the "
+                        "same text model inside a tiny Qwen2.5-VL")
     p.add_argument("--from-gguf", default=None, metavar="FILE",
                    help="instead: the model in this GGUF file, as a plain model folder")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
@@ -346,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "init-model":
             from pipeline.model import init_tiny_model
 
-            print(init_tiny_model(args.dir, seed=args.seed))
+            print(init_tiny_model(args.dir, seed=args.seed, recipe=args.recipe))
             return 0
         if args.cmd == "audit":
             from sluice.audit_run import audit_command

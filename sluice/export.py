@@ -75,6 +75,7 @@ class Base:
     ref: str  # base_model_name_or_path of an exported adapter
     dtype: str
     lora: LoraConfig | None
+    frozen_prefixes: tuple[str, ...] = ()  # model.frozen_prefixes: never published
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ def read_base(run_dir: Path, config: str | Path | None = None) -> Base:
     if config is not None:
         cfg = load_config(config)
         path = Path(cfg.model.path).resolve()
-        return _checked(Base(path, str(path), cfg.model.dtype, cfg.model.lora), str(config))
+        return _checked(Base(path, str(path), cfg.model.dtype, cfg.model.lora,
+                             tuple(cfg.model.frozen_prefixes)), str(config))
     path = run_dir / RUN_JSON
     if not path.is_file():
         raise ExportError(f"{run_dir} has no {RUN_JSON} (a run started before sluice wrote "
@@ -129,6 +131,7 @@ def read_base(run_dir: Path, config: str | Path | None = None) -> Base:
         dtype = cfg_model.get("dtype", "float32")
         lora = cfg_model.get("lora")
         lora = LoraConfig.model_validate(lora) if lora is not None else None
+        frozen = tuple(str(p) for p in cfg_model.get("frozen_prefixes") or ())
     except ExportError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -138,7 +141,7 @@ def read_base(run_dir: Path, config: str | Path | None = None) -> Base:
     hub = bool(_HUB_ID.match(source)) and (model.get("revision") is not None
                                            or "snapshots" in local_dir.parts)
     ref = source if hub else str(local_dir.resolve())
-    return _checked(Base(local_dir.resolve(), ref, dtype, lora), str(path))
+    return _checked(Base(local_dir.resolve(), ref, dtype, lora, frozen), str(path))
 
 
 def _checked(base: Base, origin: str) -> Base:
@@ -229,14 +232,25 @@ def choose_source(run_dir: Path, version: int | None = None,
 def load_full(base: Base, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A model of the base's architecture (config.json) holding ``state``, in the run's
     dtype. Every tensor of the model must be in ``state`` (a tied ``lm_head.weight`` may
-    be absent, or present and equal to the embedding) and nothing else."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    be absent, or present and equal to the embedding) and nothing else, except the
+    frozen ones (`pipeline.vlm.frozen_keys`: a vision-language model's tower and
+    projector, ``model.frozen_prefixes``), which no version carries: those are the base
+    folder's own, as every engine of the run served them."""
+    from transformers import AutoConfig
+
+    from pipeline.vlm import auto_class, frozen_keys
 
     config = AutoConfig.from_pretrained(base.local_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[base.dtype])
+    cls = auto_class(config)
+    model = cls.from_config(config, dtype=DTYPES[base.dtype])
     own = model.state_dict()
+    frozen = frozen_keys(model, base.frozen_prefixes)
+    if frozen - set(state):  # never published: start from the base's weights
+        model = cls.from_pretrained(base.local_dir, dtype=DTYPES[base.dtype],
+                                    local_files_only=True)
+        own = model.state_dict()
     tied = aliases(own)  # {lm_head.weight: model.embed_tokens.weight} when tied
-    missing = sorted(set(own) - set(state) - set(tied))
+    missing = sorted(set(own) - set(state) - set(tied) - frozen)
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
         raise ExportError(f"the weights do not fit the base model {base.local_dir}: "

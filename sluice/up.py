@@ -291,7 +291,7 @@ def ensure_model(cfg: Config) -> None:
     from pipeline.model import init_tiny_model
 
     print(f"building the tiny model {cfg.model.init} in {path}", file=sys.stderr)
-    init_tiny_model(path, seed=cfg.run.seed)
+    init_tiny_model(path, seed=cfg.run.seed, recipe=cfg.model.init)
 
 
 def prepare(cfg: Config, *, fresh: bool = False, allow_config_change: bool = False

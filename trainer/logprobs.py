@@ -30,7 +30,7 @@ from torch import nn
 from pipeline.attention import MASK_ATTENTIONS, is_varlen
 from pipeline.rl.logprobs import chunked_head_logprobs, split_lm
 from trainer.batch import Batch
-from trainer.packing import Layout
+from trainer.packing import Layout, model_positions
 
 
 class CompletionLogprobs(nn.Module):
@@ -72,7 +72,8 @@ class CompletionLogprobs(nn.Module):
                 mask = _additive(mask, _score_dtype(head, device))
         varlen = layout.varlen_kwargs(device) if is_varlen(attn) else {}
         hidden = body(input_ids=layout.input_ids.to(device), attention_mask=mask,
-                      position_ids=_to(layout.position_ids, device),
+                      position_ids=_to(model_positions(layout.position_ids, body.config),
+                                       device),
                       use_cache=False, **varlen).last_hidden_state
         sel = batch.mask > 0
         h = hidden[layout.rows[sel].to(device), layout.cols[sel].to(device)]  # [N, H]

@@ -37,6 +37,14 @@ How attention stays inside each sample depends on the attention implementation
   forward refuses a 4D mask for any other: a tree mask cannot be expressed as segments,
   and flex would add a boolean mask to its scores.
 
+M-RoPE text models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5: rotary positions on three
+axes, time/height/width): a text token has the same position on all three, so the packed
+positions are the 1D ones repeated. `model_positions` hands such a body ``[4, R, C]``: the
+text positions, then the three axes, the form whose first row transformers' Qwen-VL text
+models read to find a packed row's samples (given ``[R, C]``, Qwen2-VL and Qwen2.5-VL
+expand it to the three axes only and build a plain causal mask: the samples of a row would
+see each other).
+
 Invariant (tested against the padded forward to 1e-5): for every sample ``b`` and
 completion token ``t``, the hidden state at ``(rows[b, t], cols[b, t])`` equals the one the
 padded layout gives, so logprobs do not depend on the layout. Padding positions of a row
@@ -85,6 +93,26 @@ class Layout:
 
 RowShape = tuple[int, int, int]
 """(tokens, prompt tokens, group) of one row: all a layout's cost depends on."""
+
+
+def is_mrope(config: object) -> bool:
+    """The body's rotary embedding is M-RoPE (an ``mrope_section`` in its rope
+    parameters: transformers 5's ``rope_parameters``, older ``rope_scaling``)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = getattr(config, key, None)
+        if isinstance(rope, dict) and rope.get("mrope_section"):
+            return True
+    return False
+
+
+def model_positions(position_ids: torch.Tensor | None, config: object
+                    ) -> torch.Tensor | None:
+    """``position_ids`` ``[R, C]`` in the form the body with ``config`` takes: as they are,
+    or for M-RoPE ``[4, R, C]`` (module docstring). None stays None (the model's own
+    0..C-1, the same on every axis)."""
+    if position_ids is None or position_ids.dim() != 2 or not is_mrope(config):
+        return position_ids
+    return position_ids.unsqueeze(0).expand(4, *position_ids.shape)
 
 
 def row_shapes(batch: Batch) -> list[RowShape]:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pipeline.rl.logprobs import split_lm
+
 # Dense peak TFLOP/s by training precision, from the vendors' data sheets (SXM parts).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
@@ -51,11 +53,14 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelShape:
-        """Counted from the modules (a LoRA model's adapters and base weights both
-        count: the forward runs both) and the HF config's layer and head sizes."""
+        """Counted from the modules the forward runs, the decoder body and the LM head
+        (`pipeline.rl.logprobs.split_lm`: a vision-language model's tower never runs on
+        text; a LoRA model's adapters and base weights both count: the forward runs
+        both), and the HF config's layer and head sizes."""
         seen: set[int] = set()
         params = 0
-        for module in model.modules():
+        body, head = split_lm(model)
+        for module in (*body.modules(), head):
             # a tied LM head shares the embedding's weight: counted once, as the head
             if isinstance(module, nn.Linear) and id(module.weight) not in seen:
                 seen.add(id(module.weight))

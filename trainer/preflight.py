@@ -8,6 +8,7 @@ from pipeline.attention import check_attention
 from pipeline.config import Config, ConfigError
 from pipeline.devices import resolve_device
 from pipeline.tracking import check_report_to
+from pipeline.vlm import check_model
 from pipeline.weights import check_store
 
 
@@ -16,7 +17,9 @@ def preflight(cfg: Config) -> None:
     `sluice up`): ``trainer.device`` exists and can run ``model.attn_implementation``
     (`pipeline.attention`), float16 has float32 master weights, the tracker of
     ``run.report_to`` is installed, and the weight store takes its versions
-    (`pipeline.weights.check_store`). Each failure is a ``ConfigError`` naming the key."""
+    (`pipeline.weights.check_store`), and what it freezes fits the model (no LoRA on a
+    vision-language model, ``model.frozen_prefixes``: `pipeline.vlm.check_model`). Each
+    failure is a ``ConfigError`` naming the key."""
     device = resolve_device(cfg.trainer.device, "trainer.device")
     check_attention(cfg.model.attn_implementation, device.type, device_key="trainer.device")
     if cfg.model.dtype == "float16" and not cfg.trainer.fp32_master:
@@ -24,3 +27,4 @@ def preflight(cfg: Config) -> None:
                           "weights (loss scaling); set it true or use bfloat16")
     check_report_to(cfg)
     check_store(cfg, write=True)
+    check_model(cfg)

@@ -15,7 +15,11 @@ engine loads into its own dtype).
 Bad combinations fail here, at start, naming the key: CUDA asked for without it
 (`pipeline.devices`), fp16 without float32 masters, LoRA on several ranks (not supported
 yet: the adapter's optimizer state would need its own sharding), a step that does not
-split into whole groups per rank.
+split into whole groups per rank, a LoRA adapter on a vision-language model.
+
+Frozen parameters (`frozen_part`: a VLM's vision tower and projector, TRL's rule, and
+``model.frozen_prefixes``) get ``requires_grad=False`` before the optimizer is built, so
+AdamW holds no state for them; `TrainSetup.frozen` names them for publishing.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pipeline.devices import resolve_device, torch_dtype
 from pipeline.model import is_peft, load_model, load_policy
 from pipeline.rl.logprobs import split_lm
 from pipeline.rl.losses import LossConfig
+from pipeline.vlm import freeze, frozen_keys, is_vlm_config
 from trainer.distributed import Ranks, shard_model
 from trainer.logprobs import CompletionLogprobs, attention_implementation
 from trainer.packing import LayoutKind
@@ -55,6 +60,29 @@ class TrainSetup:
     settings: StepSettings
     pad_id: int
     tokenizer: object
+    frozen: frozenset[str] = frozenset()  # state_dict keys never trained nor published
+
+
+def frozen_part(cfg: Config, model: nn.Module) -> frozenset[str]:
+    """Freeze what is never trained (`pipeline.vlm`: a vision-language model's non-text
+    parts, TRL's rule; ``model.frozen_prefixes``) and return its ``state_dict`` keys.
+    A LoRA run freezes its whole base already (peft); a LoRA adapter on a VLM is
+    refused: peft's ``target_modules`` would also match the vision tower's layers."""
+    if is_peft(model):
+        if is_vlm_config(model.get_base_model().config):  # type: ignore[operator]
+            raise ConfigError("model.lora: LoRA on a vision-language model is not "
+                              "supported yet (its target modules would also adapt the "
+                              "vision tower); train full weights (docs/vlm.md)")
+        return frozenset()
+    try:
+        keys = frozen_keys(model, cfg.model.frozen_prefixes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    elements = freeze(model, keys)
+    if keys:
+        log.info("frozen: %d tensors, %d elements (never trained nor published)",
+                 len(keys), elements)
+    return keys
 
 
 def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
@@ -73,6 +101,7 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
     compute = low if train_cfg.fp32_master and low != torch.float32 else None
     model, tok = load_policy(cfg, device=device, dtype=master, trained=True)
     model.train()
+    frozen = frozen_part(cfg, model)  # before sharding and before the optimizer
     if train_cfg.gradient_checkpointing:
         base = model.get_base_model() if is_peft(model) else model  # type: ignore[operator]
         if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x
@@ -120,7 +149,7 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
         layout=layout_kind(cfg, model), chunk_tokens=t.logprob_chunk_tokens, pad_id=pad_id,
         compute_dtype=compute, fp32_head=t.fp32_lm_head)
     return TrainSetup(ranks, device, model, fwd, ref, optimizer, scheduler, scaler, settings,
-                      pad_id, tok)
+                      pad_id, tok, frozen)
 
 
 def layout_kind(cfg: Config, model: nn.Module) -> LayoutKind:

@@ -62,6 +62,7 @@ from pipeline.rl.entropy_control import EntropyControl
 from pipeline.rollout_meter import RolloutMeter
 from pipeline.runtime import Heartbeat, bound_exit, connect, end_requests, limits, set_threads
 from pipeline.tracking import Tracker, open_tracker, trainer_metrics
+from pipeline.vlm import without_frozen
 from pipeline.weights import make_transport
 from trainer import setup
 from trainer.batch import Batch, build_batch
@@ -230,10 +231,19 @@ class Trainer:
 
     def weights(self) -> dict[str, torch.Tensor] | torch.nn.Module:
         """What to publish: the model (one process; LoRA) or the full state gathered from
-        the FSDP shards (every rank calls this; rank 0 gets the tensors)."""
+        the FSDP shards (every rank calls this; rank 0 gets the tensors); without the
+        frozen tensors (`pipeline.vlm`: a VLM's tower and projector), which no version
+        carries, whatever the transport."""
+        frozen = self.setup.frozen
         if not self.ranks.distributed:
-            return self.model
-        return full_state(self.model, self.ranks)
+            return self.local_weights()
+        state = full_state(self.model, self.ranks)
+        return without_frozen(state, frozen) if frozen and state else state
+
+    def local_weights(self) -> dict[str, torch.Tensor] | torch.nn.Module:
+        """`weights` of this process's model, without gathering (one process)."""
+        frozen = self.setup.frozen
+        return without_frozen(self.model.state_dict(), frozen) if frozen else self.model
 
     def step_all(self, header: StepHeader, groups: list[ScoredGroup]
                  ) -> tuple[dict[str, float], Any]:
@@ -252,7 +262,7 @@ class Trainer:
         then the files; the disk work in a worker thread) and announce it (not without a
         bus: a replay, `trainer.replay`)."""
         t0 = time.perf_counter()
-        msg = await self.store.publish(self.model if source is None else source,
+        msg = await self.store.publish(self.local_weights() if source is None else source,
                                        version=self.state.version, step=self.state.step)
         self.last.update(self.store.stats)
         if bus is not None:

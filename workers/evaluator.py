@@ -177,7 +177,8 @@ class Evaluator:
         else:
             model, self.tokenizer = load_policy(
                 cfg, device=resolve_device(cfg.generation.device, "generation.device"))
-            self.engine = TransformersEngine(model, self.tokenizer, seed=cfg.run.seed)
+            self.engine = TransformersEngine(model, self.tokenizer, seed=cfg.run.seed,
+                                             frozen_prefixes=cfg.model.frozen_prefixes)
         self.prompts = task_from_config(cfg, self.tokenizer).heldout(cfg.task.heldout)
         self.weights = make_transport(cfg)  # engine side: receive (verify) versions
         self.rewards = load_rewards(cfg, "eval.rewards")

@@ -73,7 +73,8 @@ def make_engine(cfg: Config, tokenizer: object, seed: int) -> Engine:
         return VLLMEngine.from_config(cfg, seed=seed)
     model, _ = load_policy(cfg, device=resolve_device(cfg.generation.device,
                                                       "generation.device"))
-    return TransformersEngine(model, tokenizer, seed=seed, version=0)  # type: ignore[arg-type]
+    return TransformersEngine(model, tokenizer, seed=seed, version=0,  # type: ignore[arg-type]
+                              frozen_prefixes=cfg.model.frozen_prefixes)
 
 
 class Generator:

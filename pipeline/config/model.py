@@ -40,9 +40,10 @@ class ModelConfig(_Section):
     revision: str = Field("main", pattern=r"^[A-Za-z0-9_./-]+$", max_length=256)
     """Branch, tag or commit of a hub id (ignored for a folder); the commit it points to
     when the run starts is pinned, so a moved branch does not change a resumed run."""
-    init: Literal["", "tiny-char-qwen2"] = "tiny-char-qwen2"
+    init: Literal["", "tiny-char-qwen2", "tiny-char-qwen2_5_vl"] = "tiny-char-qwen2"
     """If the folder `path` does not exist yet, `sluice up` builds this model there
-    ('' = never; never for a hub id)."""
+    ('' = never; never for a hub id). ``tiny-char-qwen2_5_vl``: the same text model
+    inside a tiny Qwen2.5-VL (a vision tower that stays frozen; docs/vlm.md)."""
     from_gguf: str = ""
     """A GGUF file (a local path) that `sluice up` turns into the folder `path` when that
     folder does not exist yet, as `sluice init-model PATH --from-gguf FILE` does (weights
@@ -56,10 +57,26 @@ class ModelConfig(_Section):
     """transformers' attention: `sdpa` (CPU and GPU; the packed layouts' masks),
     `eager`, `flash_attention_2`, or a `kernels` hub repo such as
     ``kernels-community/flash-attn2`` (CUDA; varlen packing, no prefix sharing)."""
+    frozen_prefixes: list[str] = Field(default_factory=list, max_length=64)
+    """Parameter-name prefixes (``model.embed_tokens``) frozen besides what is always frozen,
+    a vision-language model's vision tower and projector (docs/vlm.md): not trained, no
+    optimizer state, never in a published version (every engine keeps what it loaded).
+    Each must name a parameter of the model (checked at start); not with [model.lora],
+    which freezes the whole base already."""
     lora: LoraConfig | None = None
     """Set (``[model.lora]``) to train a peft LoRA adapter on the frozen base instead of all
     weights; the `lora` weight store then publishes only the adapter per version (or,
     with ``lora.sync = "merged"``, the merged full weights)."""
+
+    @model_validator(mode="after")
+    def _check_frozen(self) -> ModelConfig:
+        if self.frozen_prefixes and self.lora is not None:
+            raise ValueError("model.frozen_prefixes: a LoRA run trains its adapter only "
+                             "(the whole base is frozen); drop one of the two")
+        if any(not p.strip(".") for p in self.frozen_prefixes):
+            raise ValueError("model.frozen_prefixes: an empty prefix would freeze the "
+                             "whole model")
+        return self
 
     @property
     def serving_lora(self) -> LoraConfig | None:

@@ -263,6 +263,12 @@ def _check(cfg: Config, target: str) -> None:
     d, up, v = cfg.deploy, cfg.up, cfg.generation.vllm
     if up.generators < 1:
         raise ConfigError("up.generators: a deployment needs at least one generator")
+    if cfg.model.init not in ("", "tiny-char-qwen2") and not cfg.model.from_gguf \
+            and not is_hub_id(cfg.model.path):
+        raise ConfigError(f"model.init: a deployment builds only the tiny-char-qwen2 model; "
+                          f"build {cfg.model.init} with `sluice init-model --recipe "
+                          f"{cfg.model.init} {cfg.model.path}` where the roles read it, and "
+                          "set model.init = \"\"")
     if up.trainer_ranks % d.trainer_nodes:
         raise ConfigError(f"deploy.trainer_nodes: {d.trainer_nodes} node(s) cannot share "
                           f"up.trainer_ranks = {up.trainer_ranks} ranks evenly")

@@ -185,3 +185,33 @@ def test_sluice_up_on_a_hub_id_pins_the_snapshot_every_role_loads(tmp_path: Path
     pin = json.loads((out / "run.json").read_text())["model"]
     assert pin["source"] == "tiny-org/tiny-bpe" and pin["revision"] == sha
     assert pin["local_dir"].endswith(f"snapshots/{sha}")
+
+
+def test_sluice_up_trains_a_tiny_vision_language_model_on_text(tmp_path: Path) -> None:
+    """`model.init = tiny-char-qwen2_5_vl`: the tiny Qwen2.5-VL built by `sluice up`
+    trains on the copy task with the in-process engine (generator and evaluator), full
+    versions and deltas; no version names a tensor of the frozen vision tower."""
+    from safetensors import safe_open
+
+    out = tmp_path / "run"
+    args = up_args(ROOT / "examples" / "copy.toml", out, tmp_path / "model", "vlm",
+                   "model.init=tiny-char-qwen2_5_vl", "trainer.max_steps=3",
+                   "trainer.groups_per_step=2", "up.scorers=1", "up.generators=1",
+                   "task.heldout=8", "up.plot=false", "weights.full_every=2",
+                   "run.max_time_s=300")
+    _, summary = run_up(args, out, tmp_path, 420, {"HF_HUB_OFFLINE": "1"})
+    assert summary["reason"] == "finished" and summary["steps"] == 3, summary
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    names: set[str] = set()
+    for index in (out / "weights").glob("v*/model.safetensors.index.json"):
+        names |= set(json.loads(index.read_text())["weight_map"])
+    deltas = list((out / "weights").glob("v*/delta-*.safetensors"))
+    for shard in deltas:
+        with safe_open(str(shard), "pt") as h:
+            names |= {k.partition("/")[2] for k in h.keys()}
+    assert deltas, "weights.full_every = 2 published no delta"
+    assert names and not any(".visual." in n for n in names), sorted(names)[:5]
+    assert any("language_model" in n for n in names)
+    log = (out / "logs" / "trainer-0.log").read_text()
+    assert "frozen: 18 tensors" in log

@@ -385,3 +385,35 @@ def test_generator_keeps_its_version_on_a_missing_or_corrupt_object_and_retries(
 
     arun(go())
 
+
+
+def test_a_vision_language_model_s_versions_hold_no_tower_in_the_bucket(
+        s3: SeaweedFS, tmp_path: Path) -> None:
+    """The tiny Qwen2.5-VL's versions, full and delta, as the trainer publishes them
+    (`Trainer.weights`: its frozen vision tower left out): no object in the bucket holds
+    a tower tensor, and the receiver rebuilds every trained tensor (docs/vlm.md)."""
+    from safetensors.torch import load
+
+    from tests.unit.test_vlm import TOWER, _batch, _cfg, _published
+    from trainer import setup
+    from trainer.step import optimize
+
+    vlm_dir = init_tiny_model(tmp_path / "tiny-vl", seed=3, hidden_size=64,
+                              intermediate_size=128, recipe="tiny-char-qwen2_5_vl")
+    s = setup.build(_cfg(vlm_dir, tmp_path / "run"))
+    c = _s3_case("file", s3, tmp_path, vlm_dir, full_every=2)
+    formats = []
+    for v in (1, 2, 3):
+        optimize(s.fwd, s.optimizer, _batch(seed=v), s.settings)
+        source = _published(s)
+        msg = arun(c.publisher.publish(source, version=v, step=v))
+        formats.append(msg.format)
+        got = read_full(c.receive(msg))
+        assert got.keys() == source.keys()
+        assert all(torch.equal(got[k], t) for k, t in source.items())
+    assert formats == ["safetensors", "delta", "safetensors"]
+    shards = [k for k in c.objects() if k.endswith(".safetensors")]
+    assert len(shards) >= 3
+    for key in shards:
+        names = [n.partition("/")[2] or n for n in load(c.get(key))]
+        assert names and not any(n.startswith(TOWER) for n in names), key

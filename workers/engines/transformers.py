@@ -11,12 +11,15 @@ adapter directory (peft format) for a peft-wrapped model; both are read in a wor
 thread (decoding and the role's heartbeats go on meanwhile) and go through the same
 pending swap, so LoRA versions land between decode steps exactly like full weights.
 Tied embeddings stay tied: the swap copies into the model's tensors in place, so a new
-input embedding is the new ``lm_head`` too.
+input embedding is the new ``lm_head`` too. Frozen tensors (a vision-language model's
+vision tower and projector, `pipeline.vlm`) are in no version and never swapped: the
+engine keeps the values it loaded, bit for bit.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +28,7 @@ from safetensors import SafetensorError
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from pipeline.model import adapter_to_model_keys, is_peft
+from pipeline.vlm import frozen_keys
 from pipeline.weights import WeightError, read_adapter, read_full
 from pipeline.weights.file import aliases
 from workers.engines.base import Completion, EngineError, SamplingParams
@@ -75,8 +79,13 @@ class WeightMismatchError(EngineError, ValueError):
     """
 
 
-def read_weights(model: torch.nn.Module, path: Path, fmt: str) -> dict[str, torch.Tensor]:
+def read_weights(model: torch.nn.Module, path: Path, fmt: str,
+                 frozen: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """The tensors of a weight-store directory keyed as ``model.state_dict()``.
+
+    ``frozen``: keys no version carries (`pipeline.vlm.frozen_keys`: a vision-language
+    model's tower and projector); full weights may lack them, and any the directory does
+    hold are left out, so the model keeps the values it loaded for them.
 
     For ``lora`` only the adapter's tensors (``model`` must be peft-wrapped); for
     ``safetensors`` the full state (``model`` must not be: its keys are the base's).
@@ -94,7 +103,8 @@ def read_weights(model: torch.nn.Module, path: Path, fmt: str) -> dict[str, torc
         raise WeightMismatchError(f"{path.name}: not loadable safetensors weights: "
                                   f"{e}") from e
     if fmt == "safetensors":
-        _check_full_state(model, state)
+        state = {k: v for k, v in state.items() if k not in frozen}
+        _check_full_state(model, state, frozen)
         return state
     try:
         return adapter_to_model_keys(model, state)
@@ -102,16 +112,18 @@ def read_weights(model: torch.nn.Module, path: Path, fmt: str) -> dict[str, torc
         raise WeightMismatchError(str(e)) from e
 
 
-def _check_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+def _check_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                      frozen: frozenset[str] = frozenset()) -> None:
     """Full weights must name exactly the model's tensors with the model's shapes; an
-    alias (``lm_head.weight`` of tied embeddings) may be absent, as HF checkpoints omit it.
+    alias (``lm_head.weight`` of tied embeddings) may be absent, as HF checkpoints omit it,
+    and so are the frozen tensors (never published).
 
     Checked before a swap is queued because ``load_state_dict`` copies tensor by tensor
     and only then reports missing keys or wrong shapes: a bad file found at the swap
     would leave the model half old, half new, under the old version number.
     """
     own = model.state_dict()
-    required = own.keys() - aliases(own).keys()
+    required = own.keys() - aliases(own).keys() - frozen
     missing, extra = sorted(required - state.keys()), sorted(state.keys() - own.keys())
     if missing or extra:
         raise WeightMismatchError(f"weights do not match the model: missing {missing[:3]} "
@@ -138,8 +150,13 @@ class TransformersEngine:
         *,
         seed: int = 0,
         version: int = 0,
+        frozen_prefixes: Sequence[str] = (),
     ) -> None:
+        """``frozen_prefixes``: ``model.frozen_prefixes``; with a vision-language model's
+        tower and projector (`pipeline.vlm.frozen_keys`) they are the tensors versions
+        never carry, which this engine keeps as loaded."""
         self.model = model
+        self.frozen = frozenset() if is_peft(model) else frozen_keys(model, frozen_prefixes)
         if isinstance(tokenizer_or_eos_id, int):
             self.eos_id = tokenizer_or_eos_id
             pad = getattr(model.config, "pad_token_id", None)
@@ -180,7 +197,8 @@ class TransformersEngine:
         """
         if version <= self._newest():
             return False
-        state = await asyncio.to_thread(read_weights, self.model, Path(path), fmt)
+        state = await asyncio.to_thread(read_weights, self.model, Path(path), fmt,
+                                        self.frozen)
         if version <= self._newest():  # a newer one was queued while we read
             return False
         self.update_weights(state, version, strict=False)  # keys checked by read_weights

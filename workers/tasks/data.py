@@ -11,6 +11,10 @@ A row becomes a prompt dict (see ``workers.tasks.catalog``):
   there is one) is also available as ``answer``, as a string (None where the row has
   none): sluice's built-in rewards and the evaluator read ``answer``.
 
+A row carrying an image or a video (a non-empty ``image``/``images``/``video``/``videos``
+column, TRL's names, or such a content part in a conversation) is refused: training is
+text only (`workers.tasks.prompts.refuse_images`, docs/vlm.md).
+
 Values must be able to travel on the wire (msgpack: strings, numbers, booleans, None,
 lists and string-keyed maps of these). Anything else, an unknown column (the message
 lists the available ones), a prompt of the wrong type, a column whose name a reward call
@@ -41,7 +45,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pipeline.bus.codec import check_prompt_value
-from workers.tasks.prompts import check_prompt
+from workers.tasks.prompts import IMAGE_COLUMNS, TEXT_ONLY, check_prompt
 
 log = logging.getLogger("sluice.data")
 
@@ -62,6 +66,10 @@ def row_to_prompt(row: Mapping[str, Any], where: str, prompt_column: str = "prom
                         ("task.answer_column", answer_column)):
         if column and column not in row:
             raise ValueError(f"{where}: {key}: no column {column!r}; columns: {sorted(row)}")
+    images = [c for c in IMAGE_COLUMNS if row.get(c) not in (None, [], "")]
+    if images:
+        raise ValueError(f"{where}: column {images[0]!r} holds an image or video: "
+                         f"{TEXT_ONLY}; drop the column for text-only training")
     clashes = sorted(RESERVED_COLUMNS & set(row))
     if "text" in row and prompt_column != "text":
         clashes.append("text")

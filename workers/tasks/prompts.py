@@ -10,6 +10,8 @@ TRL's *conversational* format, a list of messages ``[{"role": ..., "content": ..
   added as a leading system message at render time only, so reward functions see the
   prompt exactly as it is in the data (a conversation that already opens with a system
   message keeps its own).
+- A prompt with an image or video content part is refused (`refuse_images`): training
+  is text only, vision-language models included (docs/vlm.md).
 - ``completion_for`` gives reward functions a completion in the prompt's format, as
   TRL's GRPOTrainer does: the text for a string prompt, ``[{"role": "assistant",
   "content": text}]`` for a conversational one.
@@ -46,12 +48,34 @@ def check_messages(value: object, where: str) -> Messages:
     return value
 
 
+IMAGE_PARTS = frozenset({"image", "image_url", "input_image", "video", "video_url"})
+"""Content-part types that carry an image or a video (TRL's ``{"type": "image"}``, the
+OpenAI API's ``image_url`` / ``input_image``, and their video forms)."""
+IMAGE_COLUMNS = ("image", "images", "video", "videos")
+"""Dataset columns TRL's GRPOTrainer reads images from (``image``, ``images``), and videos."""
+TEXT_ONLY = ("sluice trains vision-language models on text only: images are not "
+             "supported yet (the packed trainer layouts have no 3D M-RoPE positions for "
+             "image tokens; docs/vlm.md)")
+
+
+def refuse_images(messages: Messages, where: str) -> None:
+    """``ValueError`` naming ``where`` and the message when a content part is an image
+    or a video (`IMAGE_PARTS`); text parts pass."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind in IMAGE_PARTS:
+                raise ValueError(f"{where}[{i}]: a {kind!r} content part: {TEXT_ONLY}")
+
+
 def check_prompt(value: object, where: str) -> str | Messages:
     """A prompt value: a string, or a valid message list (`check_messages`)."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        return check_messages(value, where)
+        refuse_images(check_messages(value, where), where)
+        return value
     raise ValueError(f"{where}: a prompt must be a string or a list of messages "
                      f"[{{'role': ..., 'content': ...}}], got {type(value).__name__}")
 
