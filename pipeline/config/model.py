@@ -54,8 +54,13 @@ class ModelConfig(_Section):
     ``trainer.fp32_master`` is false (then parameters and AdamW state are this dtype)."""
     attn_implementation: str = Field("sdpa", pattern=r"^[\w./-]{1,128}$")
     """transformers' attention: `sdpa` (CPU and GPU; the packed layouts' masks),
-    `eager`, `flash_attention_2`, or a `kernels` hub repo such as
-    ``kernels-community/flash-attn2`` (CUDA; varlen packing, no prefix sharing)."""
+    `eager`, `flash_attention_2`, a `kernels` hub repo such as
+    ``kernels-community/flash-attn2`` (CUDA; varlen packing, no prefix sharing), or
+    `auto`: each role picks from its device (CPU/MPS: sdpa; ROCm: aiter-flash-attn;
+    NVIDIA sm_100+: flash-attn4, sm_90: flash-attn3, sm_80-89: flash-attn2, older: sdpa;
+    a softcapping model gets eager where sdpa would run and is refused on ROCm and
+    Blackwell), logged at start (docs/gpu.md). The default stays sdpa: a GPU machine
+    without the `gpu` extra and cached kernels still runs."""
     lora: LoraConfig | None = None
     """Set (``[model.lora]``) to train a peft LoRA adapter on the frozen base instead of all
     weights; the `lora` weight store then publishes only the adapter per version (or,
