@@ -139,6 +139,7 @@ def _base_folder(model: str, tmp: Path) -> Path:
         return init_tiny_model(tmp / "tiny", seed=0)
     from tests.smollm2 import smollm2_folder
 
+    (tmp / "smollm2").mkdir(parents=True, exist_ok=True)
     return smollm2_folder(tmp / "smollm2", SETUPS[model].dtype)
 
 
@@ -265,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         for model in a.models:
             print(f"{model}: publishing, starting two servers", flush=True)
             results["models"][model] = bench_model(a, model, Path(tmp))
-    print(format_report(results))
-    if a.out is not None:
-        a.out.write_text(json.dumps(results, indent=2))
+            print(format_report(results), flush=True)  # so far: a later model may fail
+            if a.out is not None:
+                a.out.write_text(json.dumps(results, indent=2))
     return 0
 
 
