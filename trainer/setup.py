@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers import get_scheduler
 
-from pipeline.attention import MASK_ATTENTIONS
+from pipeline.attention import MASK_ATTENTIONS, attention_for
 from pipeline.config import Config, ConfigError
 from pipeline.config.root import score_centering_on
 from pipeline.devices import resolve_device, torch_dtype
@@ -116,7 +116,7 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
     ref = None
     if train_cfg.beta > 0 and cfg.model.lora is None:  # frozen reference: loaded once, never synced
         ref_model, _ = load_model(cfg.model.path, dtype=master, device=device,
-                                  attn_implementation=cfg.model.attn_implementation,
+                                  attn_implementation=attention_for(cfg, device),
                                   revision=cfg.model.revision)
         ref_model.requires_grad_(False)
         ref = CompletionLogprobs(ref_model, temperature, train_cfg.logprob_chunk_tokens,

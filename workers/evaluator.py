@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.attention import check_attention
+from pipeline.attention import attention_for, check_attention
 from pipeline.bus import control
 from pipeline.bus.client import worker_id
 from pipeline.bus.schema import RunFinished, WeightsPublished
@@ -290,7 +290,7 @@ def preflight(cfg: Config, task: Task | None, policy_tokenizer: Callable[[], Any
     if alone:
         device = resolve_device(cfg.generation.device, "generation.device")
         if cfg.eval_engine == "transformers":
-            check_attention(cfg.model.attn_implementation, device.type,
+            check_attention(attention_for(cfg, device), device.type,
                             device_key="generation.device")
     check_report_to(cfg)
     if alone:

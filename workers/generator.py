@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pipeline.attention import check_attention
+from pipeline.attention import attention_for, check_attention
 from pipeline.bus import control
 from pipeline.bus.client import Bus, worker_id
 from pipeline.bus.codec import DecodeError, decode, encode
@@ -484,7 +484,7 @@ def preflight(cfg: Config, policy_tokenizer: Callable[[], Any]) -> Task:
     which the other roles' checks reuse."""
     if cfg.generation.engine == "transformers":
         device = resolve_device(cfg.generation.device, "generation.device")
-        check_attention(cfg.model.attn_implementation, device.type,
+        check_attention(attention_for(cfg, device), device.type,
                         device_key="generation.device")
     tokenizer = policy_tokenizer()
     task = task_from_config(cfg, tokenizer)

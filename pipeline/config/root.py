@@ -120,10 +120,14 @@ def deltas_are_full_weights_only(cfg: Config) -> None:
 
 
 def nccl_is_full_weights_only(cfg: Config) -> None:
-    """The nccl push carries full weights; LoRA adapters go through the file store."""
-    if cfg.generation.vllm.weight_transfer == "nccl" and cfg.model.lora is not None:
-        raise ValueError("generation.vllm.weight_transfer: nccl carries full weights; "
-                         "LoRA runs use the file store")
+    """The nccl push carries full weights (vLLM's weight-transfer engine updates the
+    model's own tensors, not adapters): a LoRA run takes it only with ``lora.sync =
+    "merged"`` (the push carries base + adapter merged); adapters go through the store."""
+    if cfg.generation.vllm.weight_transfer == "nccl" and cfg.model.serving_lora is not None:
+        raise ValueError('generation.vllm.weight_transfer: nccl carries full weights, and '
+                         'model.lora.sync = "adapter" publishes adapters; set '
+                         'model.lora.sync = "merged" (each version pushed as the merged '
+                         'full weights) or weight_transfer = "file"')
 
 
 def score_centering_has_top_logprobs(cfg: Config) -> None:

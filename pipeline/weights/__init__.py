@@ -80,9 +80,11 @@ def engine_format(msg: WeightsPublished) -> str:
 
 
 def make_transport(cfg: Config, *, keep: int = 4) -> WeightTransport:
-    """`lora` for ``[model.lora]`` runs (merged full weights with ``lora.sync =
-    "merged"``); `nccl` when the vLLM servers take NCCL pushes
-    (``generation.vllm.weight_transfer = "nccl"``); otherwise `file`. All of them
+    """`lora` for ``[model.lora]`` runs with ``lora.sync = "adapter"``; `nccl` when the
+    vLLM servers take NCCL pushes (``generation.vllm.weight_transfer = "nccl"``), over
+    the file store below; otherwise the file store itself: `MergedLoraTransport` (a
+    LoRA run with ``lora.sync = "merged"``: the merged full weights, which are also what
+    an NCCL push carries) or `FileTransport`. All of them
     store versions in `open_store`; ``keep`` is the pruning window. Full weights are
     published in ``model.dtype`` (the serving dtype), not the trainer's float32 master
     copy; with ``weights.full_every`` > 1, deltas between full versions."""
@@ -90,10 +92,12 @@ def make_transport(cfg: Config, *, keep: int = 4) -> WeightTransport:
     serving = DTYPES[cfg.model.dtype]  # versions are written in the engines' dtype
     if cfg.model.lora is not None and cfg.model.lora.sync == "adapter":
         return LoraTransport(store, base_model=cfg.model.path)
+    file: FileTransport
     if cfg.model.lora is not None:  # merged: full weights, never deltas (root.py's rule)
-        return MergedLoraTransport(store, dtype=serving, cache_dir=cache_path(cfg))
-    file = FileTransport(store, dtype=serving, full_every=cfg.weights.full_every,
-                         cache_dir=cache_path(cfg))
+        file = MergedLoraTransport(store, dtype=serving, cache_dir=cache_path(cfg))
+    else:
+        file = FileTransport(store, dtype=serving, full_every=cfg.weights.full_every,
+                             cache_dir=cache_path(cfg))
     v = cfg.generation.vllm
     if cfg.generation.engine == "vllm" and v.weight_transfer == "nccl":
         from pipeline.vllm_auth import vllm_api_key

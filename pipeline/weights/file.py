@@ -83,7 +83,7 @@ class FileTransport(WeightTransport):
             msg = self.deltas.write(self.store, source, dtype=self.dtype, version=version,
                                     step=step, max_shard_bytes=self.max_shard_bytes)
         else:
-            state = publishable(source, self.dtype)
+            state = self.serving_state(source)
             msg = self.store.commit(sharded_files(state, version=version,
                                                   max_shard_bytes=self.max_shard_bytes),
                                     fmt=self.format, version=version, step=step)
@@ -91,6 +91,14 @@ class FileTransport(WeightTransport):
         if self.deltas is not None:
             self.stats["publish_delta"] = float(msg.format == DELTA_FORMAT)
         return msg
+
+    def serving_state(self, source: WeightSource) -> dict[str, torch.Tensor]:
+        """The tensors a full version of ``source`` holds, as engines load them (names,
+        shapes, serving dtype; `publishable`). One definition for everything that sends
+        full weights: `write` stores it, the `nccl` transport pushes it, so the push and
+        the store carry the same tensors. Subclasses that publish something derived from
+        the source (`MergedLoraTransport`: the merged adapter) override this alone."""
+        return publishable(source, self.dtype)
 
     async def receive(self, msg: WeightsPublished) -> Path:
         return await asyncio.to_thread(self.fetch, msg)

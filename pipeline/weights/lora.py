@@ -89,12 +89,16 @@ class MergedLoraTransport(FileTransport):
     trainer's peft model is merged on the fly (`pipeline.model.merged_state`, the base
     untouched) and written as the `file` transport writes any full version, so every
     reader (a vLLM server without ``--enable-lora``, the in-process engine's plain model,
-    `sluice export`) sees an ordinary ``safetensors`` version."""
+    `sluice export`) sees an ordinary ``safetensors`` version. The merge lives in
+    `serving_state` alone, so the `nccl` transport, which pushes its fallback's
+    `serving_state`, sends servers exactly the tensors this transport writes."""
 
-    def write(self, source: WeightSource, *, version: int, step: int) -> WeightsPublished:
+    def serving_state(self, source: WeightSource) -> dict[str, torch.Tensor]:
+        """The merged weights (base + peft delta) in the serving dtype, keyed as the plain
+        model. Raises `TypeError` for anything but a peft model."""
         from pipeline.model import is_peft, merged_state
 
         if not isinstance(source, torch.nn.Module) or not is_peft(source):
             raise TypeError(f"the merged LoRA transport publishes a peft model merged, "
                             f"got {type(source).__name__}")
-        return super().write(merged_state(source), version=version, step=step)
+        return super().serving_state(merged_state(source))

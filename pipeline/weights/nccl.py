@@ -4,9 +4,10 @@ weight-transfer backend), with the `file` transport as the store engines fall ba
 `NCCLTransport.publish` pushes the version to every server first, then writes it to the
 store and returns that announcement: a generator finds its servers already labelled with
 the version and reloads from disk only a server that missed the push
-(`workers.engines.vllm_weights`). The push sends what the store writes
-(`pipeline.weights.file.publishable`: with tied embeddings, ``lm_head.weight`` as its own
-tensor, in the store's serving dtype).
+(`workers.engines.vllm_weights`). The push sends what the store writes (the fallback's
+`FileTransport.serving_state`: with tied embeddings, ``lm_head.weight`` as its own
+tensor, in the store's serving dtype; for a LoRA run with ``model.lora.sync = "merged"``
+the merged base + adapter weights of `MergedLoraTransport`).
 
 Weight sync never hangs and never stops the run: the join at start and each push are
 bounded by ``timeout_s`` (``generation.vllm.nccl_timeout_s``), the resume that follows a
@@ -77,7 +78,7 @@ import aiohttp
 from pipeline.bus.schema import WeightsPublished
 from pipeline.vllm_auth import auth_headers, vllm_api_key
 from pipeline.weights.base import WeightSource, WeightTransport
-from pipeline.weights.file import FileTransport, publishable
+from pipeline.weights.file import FileTransport
 
 if TYPE_CHECKING:
     import torch
@@ -416,7 +417,7 @@ class NCCLTransport(WeightTransport):
         pushed = False
         if self.sync.group is not None and not self.sync.broken:
             try:
-                state = publishable(source, getattr(self.fallback, "dtype", None))
+                state = self.fallback.serving_state(source)  # what the store gets
                 stats["nccl_pause_s"] = await self.sync.push(state, version)
                 pushed = True
             except Exception as e:  # the store + announcement below still carry it

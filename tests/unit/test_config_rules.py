@@ -25,10 +25,11 @@ BROKEN = [  # (overrides, the start of the message: the dotted key to change)
     (["up.stop_at='foo>=0.9'"],
      "up.stop_at: the evaluator does not report 'foo'; it reports reward, pass@1, "
      "rewards/copy_reward"),
-    (["weights.full_every=2", "model.lora={}"], "weights.full_every: deltas are for full"),
-    (["generation.vllm.weight_transfer='nccl'", "model.lora={}"],
-     "generation.vllm.weight_transfer: nccl carries full weights"),
-    (["generation.vllm.api_server_count=2", "model.lora={}"],
+    (["weights.full_every=2", "model.lora={sync='merged'}"],
+     "weights.full_every: deltas are for full"),
+    (["generation.vllm.weight_transfer='nccl'", "model.lora={sync='adapter'}"],
+     "generation.vllm.weight_transfer: nccl carries full weights, and model.lora.sync"),
+    (["generation.vllm.api_server_count=2", "model.lora={sync='adapter'}"],
      "generation.vllm.api_server_count: vLLM loads LoRA adapters at run time only"),
 ]
 
