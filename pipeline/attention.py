@@ -25,9 +25,10 @@ model's attention-logit softcapping; `attention_for` reads both and logs the cho
 
 aiter-flash-attn and flash-attn4 have no softcap argument; a softcapping model
 (``attn_logit_softcapping`` set: Gemma 2) on ROCm or Blackwell is refused at start naming
-the key (`ConfigError`), never silently run without its softcap. The rule is sluice's:
-TRL (1.16 installed; main at f2cd577, 2026-07-24) has no device rule in its source, only
-AsyncGRPOTrainer's unconditional ``kernels-community/flash-attn3`` (docs/gpu.md).
+the key (`ConfigError`), never silently run without its softcap. TRL 1.16's async
+trainers pick by vendor only (ROCm: aiter-flash-attn, else flash-attn3:
+``trl/experimental/async_grpo/packing.py``); flash-attn4 on Blackwell and the softcapping
+limit follow TRL's newer docs; the per-capability split is sluice's (docs/gpu.md).
 """
 
 from __future__ import annotations
