@@ -27,12 +27,13 @@ where the logits that predict each completion token sit.
   longest sample: no row longer than a padded one, the same bound on a row's attention)
   and a sample's whole path sits in one row: a row holding some of a node's descendants
   writes that node, so a prefix is repeated once per row its descendants landed in.
-  Placement: samples in lexicographic order of their tokens (the trie's depth-first order:
-  samples sharing a prefix are neighbours), each into the open row whose last sample it
-  shares the longest prefix with (the most it can share there) among those it fits, the
-  first on ties, else a new row. When that takes more rows than ``packed``'s first-fit
-  decreasing (little sharing, unlucky sizes), ``packed``'s rows are used under the tree
-  mask: ``trie`` never forwards more positions than ``packed``. ``shared`` is the
+  Placement, on the samples in lexicographic order of their tokens (the trie's
+  depth-first order: samples sharing a prefix are neighbours), the fewest rows of three
+  plans: each sample into the open row whose last sample it shares the longest prefix
+  with among those it fits (first on ties), else a new row; or the order cut into chains
+  of neighbours that share a prefix and fit one row, the chains packed first-fit
+  decreasing; or ``packed``'s own rows (little sharing, unlucky sizes) under the tree
+  mask. So ``trie`` never forwards more positions than ``packed``. ``shared`` is the
   one-level case of the same writer (every sample forks from its group's first sample at
   the prompt's end); ``packed`` the zero-level one (every sample a tree of its own).
 
@@ -196,10 +197,9 @@ def plan_rows(shapes: list[RowShape], kind: LayoutKind) -> tuple[list[list[Place
     sizes = [_written(shapes, u) for u in units]
     capacity = max(sizes)
     plan = [[p for u in row for p in units[u]] for row in _first_fit(sizes, capacity)]
-    if kind == "trie":
-        shared = _trie_rows(shapes, capacity)
-        if len(shared) <= len(plan):
-            plan = shared
+    if kind == "trie":  # the fewest rows; on a tie the one writing fewest tokens
+        plans = [_trie_rows(shapes, capacity), _chain_rows(shapes, capacity), plan]
+        plan = min(plans, key=lambda p: (len(p), sum(_written(shapes, row) for row in p)))
     return plan, capacity
 
 
@@ -293,6 +293,24 @@ def _trie_rows(shapes: list[RowShape], capacity: int) -> list[list[Placed]]:
             rows[best].append((b, best_share))
             free[best] -= shapes[b].tokens - best_share
     return rows
+
+
+def _chain_rows(shapes: list[RowShape], capacity: int) -> list[list[Placed]]:
+    """``trie``'s other placement: samples in lexicographic order cut into chains (each
+    sample joins the previous one's chain while it shares a prefix with it and the chain
+    still fits), then the chains packed into rows by first-fit decreasing, as ``packed``
+    packs samples (each chain a tree of its own in its row)."""
+    chains: list[list[Placed]] = []
+    size: list[int] = []
+    for b in sorted(range(len(shapes)), key=lambda b: shapes[b].ids):
+        share = _common_tokens(shapes[chains[-1][-1][0]].ids, shapes[b].ids) if chains else 0
+        if share and size[-1] + shapes[b].tokens - share <= capacity:
+            chains[-1].append((b, share))
+            size[-1] += shapes[b].tokens - share
+        else:
+            chains.append([(b, 0)])
+            size.append(shapes[b].tokens)
+    return [[p for c in row for p in chains[c]] for row in _first_fit(size, capacity)]
 
 
 def _common_tokens(a: bytes, b: bytes) -> int:
