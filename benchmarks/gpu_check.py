@@ -10,8 +10,8 @@ the command exits 1 if any failed (2: no CUDA device without ``--cpu``):
    device (``cpu:gloo,cuda:nccl`` on CUDA), one all-reduce of a CPU tensor (the control
    plane's kind, on gloo) and, on CUDA, one of a CUDA tensor (on NCCL), in the compute
    thread bound to the device.
-2. ``layouts``: completion logprobs of one batch in the padded, packed and prefix-shared
-   layouts (`trainer.packing`) with SDPA and eager attention, equal to the padded SDPA
+2. ``layouts``: completion logprobs of one batch in the padded, packed, prefix-shared and
+   trie layouts (`trainer.packing`) with SDPA and eager attention, equal to the padded SDPA
    forward: float32 to 1e-4, bfloat16 to ``BF16_TOL``; with a varlen flash kernel when
    one loads offline (``kernels-community/flash-attn2`` or ``flash_attention_2``), the
    packed layout through it, in bfloat16, to ``BF16_TOL`` (otherwise: why skipped).
@@ -173,7 +173,7 @@ def stage_layouts(device: torch.device) -> dict[str, Any]:
     for dtype, tol in ((torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)):
         for attn in ("sdpa", "eager"):
             model = tiny_model(device, dtype, attn)
-            for kind in ("padded", "packed", "shared"):
+            for kind in ("padded", "packed", "shared", "trie"):
                 d = max_diff(layout_logps(model, batch, kind), base, batch.mask)
                 name = f"{str(dtype).removeprefix('torch.')}/{attn}/{kind}"
                 out[name] = d

@@ -1,5 +1,6 @@
 """How a micro-batch's rows are laid out for the forward: padded, packed, or packed with
-shared prompts. Every layout says where the logits that predict each completion token sit.
+shared prefixes (a group's prompt, or a trie of every shared prefix). Every layout says
+where the logits that predict each completion token sit.
 
 - ``padded``: one row per sample, right-padded to the longest (the batch's own tensors).
 - ``packed``: samples concatenated into rows of at most ``capacity`` tokens (first-fit
@@ -7,11 +8,34 @@ shared prompts. Every layout says where the logits that predict each completion 
   ``position_ids`` restarting at 0 per sample and no 2D mask. The layout also carries its
   segment boundaries over the flattened rows (``cu_seqlens``, int32, and ``max_seqlen``):
   every sample is a segment, and so is each row's padding tail.
-- ``shared`` (packed + prefix sharing): a group's prompt is written once, followed by each
+- ``shared`` (packed + prompt sharing): a group's prompt is written once, followed by each
   of its completions, each completion's positions continuing from the prompt's end, with
   an explicit 4D boolean tree mask: a completion token sees the prompt and the earlier
   tokens of its own completion only. The first completion token of every sample is
-  predicted by the prompt's last position, shared by the group.
+  predicted by the prompt's last position, shared by the group. A group is one unit, so
+  the capacity is the largest group's prompt + completions.
+- ``trie`` (packed + prefix trie): the samples' token sequences (prompt + completion,
+  schema-3 observation tokens included) folded into a trie whose nodes are written once:
+  whatever prefix several samples share is forwarded once, be it a group's prompt, the
+  earlier turns several episodes took alike (the same action gets the same observation
+  from a deterministic environment), or a system prompt common to every group. A node's
+  position is its depth (its position in every sample through it) and the tree mask lets
+  a token see its ancestors and itself. Completion token ``t`` of sample ``b`` is
+  predicted by the node at depth ``start_b + t - 1`` on b's path, which several samples
+  may gather (each scores its own next token on the same hidden state), so the trie
+  shares up to the very token where samples diverge. Rows have ``packed``'s capacity (the
+  longest sample: no row longer than a padded one, the same bound on a row's attention)
+  and a sample's whole path sits in one row: a row holding some of a node's descendants
+  writes that node, so a prefix is repeated once per row its descendants landed in.
+  Placement, on the samples in lexicographic order of their tokens (the trie's
+  depth-first order: samples sharing a prefix are neighbours), the fewest rows of three
+  plans: each sample into the open row whose last sample it shares the longest prefix
+  with among those it fits (first on ties), else a new row; or the order cut into chains
+  of neighbours that share a prefix and fit one row, the chains packed first-fit
+  decreasing; or ``packed``'s own rows (little sharing, unlucky sizes) under the tree
+  mask. So ``trie`` never forwards more positions than ``packed``. ``shared`` is the
+  one-level case of the same writer (every sample forks from its group's first sample at
+  the prompt's end); ``packed`` the zero-level one (every sample a tree of its own).
 
 How attention stays inside each sample depends on the attention implementation
 (``config._attn_implementation``), classified by `pipeline.attention`:
@@ -19,8 +43,8 @@ How attention stays inside each sample depends on the attention implementation
 - Mask attentions (``MASK_ATTENTIONS``: ``sdpa``, ``eager``): transformers'
   ``masking_utils`` finds a packed row's samples from its position ids, row by row
   (``find_packed_sequence_indices``), and builds a block-causal mask; they take the
-  ``shared`` tree mask as is. ``eager`` *adds* its mask to the scores, so the forward
-  (`trainer.logprobs`) turns the boolean tree mask into 0 / dtype-min for it.
+  ``shared`` and ``trie`` tree masks as is. ``eager`` *adds* its mask to the scores, so
+  the forward (`trainer.logprobs`) turns a boolean tree mask into 0 / dtype-min for it.
 - Varlen attentions (``is_varlen``: every other name but ``flex_attention``, i.e.
   ``flash_attention_2``/``3``, a `kernels` hub repo such as ``kernels-community/flash-attn2``
   or any unknown kernel). transformers' flash path (``_flash_attention_forward``) infers
@@ -33,9 +57,26 @@ How attention stays inside each sample depends on the attention implementation
   flash path then flattens the R rows and runs varlen attention over those segments (and
   skips the per-layer device sync of finding them).
 - ``flex_attention`` gets its block mask from ``masking_utils``, row by row, like sdpa.
-- Only mask attentions get the ``shared`` layout (`trainer.setup.layout_kind`), and the
-  forward refuses a 4D mask for any other: a tree mask cannot be expressed as segments,
-  and flex would add a boolean mask to its scores.
+- Only mask attentions get ``shared`` or ``trie`` (`trainer.setup.layout_kind`), and the
+  forward refuses a 4D mask for any other: a tree is not a set of segments (a node has
+  several descendants, each of which must see it), and flex would add a boolean mask to
+  its scores. Any other attention gets ``packed``: every sample's path written out in
+  full, the path-duplicating form of the trie, whose segments a varlen kernel takes.
+
+What TRL does (1.16, ``trl.experimental.async_grpo.packing``): ``TreeRow`` folds a rank's
+samples into one trie row under a budget of unique tokens, and its own attention function
+(``tree_fa3``) feeds FA3's ``flash_attn_varlen_func`` the trie's unary chains as query
+segments (``cu_seqlens_q``) with K/V gathered along each chain's root-to-chain path
+(``cu_seqlens_k`` over the gathered rows; causal, aligned bottom-right), on the GPU only;
+it has no mask path. Its nodes are keyed on (token, next token), forking one token early
+so each position has a single next-token label; here samples gather hidden states per
+token (``rows``/``cols``), so that early fork is not needed. Mirrored here: the trie over
+every shared prefix (not only a group's prompt), positions = depth, the shared-prefix
+placement, and the budget counting unique tokens (`shapes_cost`). Not built: the
+gathered-K/V varlen call, which needs an attention function of its own around the kernel
+(transformers' flash path takes K and V from the same rows as Q, so it cannot gather a
+segment's ancestors) and a GPU to test it on; under a varlen attention ``trie`` falls back
+to ``packed``, saying so.
 
 M-RoPE text models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5: rotary positions on three
 axes, time/height/width): a text token has the same position on all three, so the packed
@@ -56,13 +97,15 @@ tail is a segment of its own, never seen by a sample.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 from trainer.batch import Batch
 
-LayoutKind = Literal["padded", "packed", "shared"]
+LayoutKind = Literal["padded", "packed", "shared", "trie"]
+TREE_KINDS = frozenset({"shared", "trie"})
+"""Layouts with a 4D tree mask: only mask attentions (sdpa, eager) take them."""
 
 
 @dataclass
@@ -91,8 +134,18 @@ class Layout:
                 "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
 
 
-RowShape = tuple[int, int, int]
-"""(tokens, prompt tokens, group) of one row: all a layout's cost depends on."""
+class RowShape(NamedTuple):
+    """One sample as the layouts' costs see it: all a layout's size depends on."""
+
+    tokens: int  # prompt + completion
+    prompt: int
+    group: int
+    ids: bytes  # its tokens as big-endian int32 (read by ``trie`` only): byte order puts
+    # samples sharing a prefix next to each other, and 4-byte prefixes are token prefixes
+
+
+Placed = tuple[int, int]
+"""(sample, tokens it shares with the previous sample of its row: 0 = a tree of its own)."""
 
 
 def is_mrope(config: object) -> bool:
@@ -116,9 +169,11 @@ def model_positions(position_ids: torch.Tensor | None, config: object
 
 
 def row_shapes(batch: Batch) -> list[RowShape]:
-    """Each row's `RowShape`, in batch order."""
-    return list(zip(batch.seq_lens.tolist(), batch.completion_start.tolist(),
-                    batch.groups.tolist(), strict=True))
+    """Each sample's `RowShape`, in batch order."""
+    lens = batch.seq_lens.tolist()
+    raw = batch.input_ids.numpy().astype(">i4")
+    return [RowShape(n, p, g, raw[b, :n].tobytes()) for b, (n, p, g) in enumerate(
+        zip(lens, batch.completion_start.tolist(), batch.groups.tolist(), strict=True))]
 
 
 def layout_cost(batch: Batch, kind: LayoutKind) -> int:
@@ -127,29 +182,31 @@ def layout_cost(batch: Batch, kind: LayoutKind) -> int:
 
 
 def shapes_cost(shapes: list[RowShape], kind: LayoutKind) -> int:
-    """`layout_cost` of rows given by their shapes (cheap: plain integers)."""
+    """`layout_cost` of samples given by their shapes (no tensors)."""
     if kind == "padded":
-        return max(n for n, _, _ in shapes) * len(shapes)
-    sizes = [size for size, _ in _units(shapes, kind == "shared")]
-    return len(_first_fit(sizes, max(sizes))) * max(sizes)
+        return max(s.tokens for s in shapes) * len(shapes)
+    plan, capacity = plan_rows(shapes, kind)
+    return len(plan) * capacity
 
 
 def layout_stats(batches: list[Batch], kind: LayoutKind) -> dict[str, float]:
     """What one pass over ``batches`` (the step's micro-batches) forwards, under TRL's
     names: ``batch/forwarded_tokens_per_step`` (positions computed, padding included),
     ``batch/rows``, ``batch/row_tokens_mean`` (non-padding tokens per row; a shared
-    prompt counts once), ``batch/samples_per_row``, ``batch/row_fill_frac`` (non-padding
-    share of the positions) and ``sample/forwarded_tokens_mean`` (non-padding tokens
-    forwarded per sample)."""
+    prefix counts once per row), ``batch/samples_per_row``, ``batch/row_fill_frac``
+    (non-padding share of the positions) and ``sample/forwarded_tokens_mean``
+    (non-padding tokens forwarded per sample)."""
     rows = forwarded = real = samples = 0
     for b in batches:
         shapes = row_shapes(b)
-        units = [n for n, _, _ in shapes] if kind == "padded" else \
-            [size for size, _ in _units(shapes, kind == "shared")]
-        n_rows = len(shapes) if kind == "padded" else len(_first_fit(units, max(units)))
-        rows += n_rows
+        if kind == "padded":
+            rows += len(shapes)
+            real += sum(s.tokens for s in shapes)
+        else:
+            plan, _ = plan_rows(shapes, kind)
+            rows += len(plan)
+            real += sum(_written(shapes, row) for row in plan)
         forwarded += shapes_cost(shapes, kind)
-        real += sum(units)
         samples += len(shapes)
     return {"batch/forwarded_tokens_per_step": float(forwarded), "batch/rows": float(rows),
             "batch/row_tokens_mean": real / max(rows, 1),
@@ -158,56 +215,67 @@ def layout_stats(batches: list[Batch], kind: LayoutKind) -> dict[str, float]:
             "sample/forwarded_tokens_mean": real / max(samples, 1)}
 
 
+def plan_rows(shapes: list[RowShape], kind: LayoutKind) -> tuple[list[list[Placed]], int]:
+    """The rows of a packed kind (each a list of `Placed`, in write order) and their
+    capacity in columns (module docstring)."""
+    if kind == "shared":
+        units = _group_units(shapes)
+    else:
+        units = [[(b, 0)] for b in range(len(shapes))]
+    sizes = [_written(shapes, u) for u in units]
+    capacity = max(sizes)
+    plan = [[p for u in row for p in units[u]] for row in _first_fit(sizes, capacity)]
+    if kind == "trie":  # the fewest rows; on a tie the one writing fewest tokens
+        plans = [_trie_rows(shapes, capacity), _chain_rows(shapes, capacity), plan]
+        plan = min(plans, key=lambda p: (len(p), sum(_written(shapes, row) for row in p)))
+    return plan, capacity
+
+
 def make_layout(batch: Batch, kind: LayoutKind, pad_id: int) -> Layout:
     """``batch`` laid out as ``kind`` (module docstring); packed rows are filled with
-    ``pad_id`` past their last unit."""
+    ``pad_id`` past their last sample."""
     if kind == "padded":
         return _padded(batch)
-    units = _units(row_shapes(batch), kind == "shared")
-    sizes = [size for size, _ in units]
-    capacity = max(sizes)
-    bins = _first_fit(sizes, capacity)
-    n_rows, t = len(bins), batch.completion_ids.shape[1]
+    plan, capacity = plan_rows(row_shapes(batch), kind)
+    n_rows, t = len(plan), batch.completion_ids.shape[1]
     ids = torch.full((n_rows, capacity), pad_id, dtype=torch.long)
     pos = torch.zeros((n_rows, capacity), dtype=torch.long)
-    seg = torch.full((n_rows, capacity), -1, dtype=torch.long)  # tree id per column
-    branch = torch.full((n_rows, capacity), -1, dtype=torch.long)  # -1 = prompt/own
+    tree = torch.zeros((n_rows, capacity, capacity), dtype=torch.bool) \
+        if kind in TREE_KINDS else None
+    causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()
     rows = torch.zeros((batch.num_rows, t), dtype=torch.long)
     cols = torch.zeros((batch.num_rows, t), dtype=torch.long)
     starts = batch.completion_start.tolist()
     lens = batch.seq_lens.tolist()
-    segments: list[int] = []  # lengths, row after row: its units, then its padding tail
-    for r, members in enumerate(bins):
+    segments: list[int] = []  # lengths, row after row: its samples, then its padding tail
+    for r, placed in enumerate(plan):
         col = 0
-        for u in members:
-            size, samples = units[u]
-            segments.append(size)
-            p = starts[samples[0]]
-            ids[r, col:col + p] = batch.input_ids[samples[0], :p]
-            pos[r, col:col + p] = torch.arange(p)
-            seg[r, col:col + p] = u
-            last_prompt = col + p - 1
-            col += p
-            for b in samples:
-                c = lens[b] - p
-                ids[r, col:col + c] = batch.input_ids[b, p:p + c]
-                pos[r, col:col + c] = torch.arange(p, p + c)
-                seg[r, col:col + c] = u
-                branch[r, col:col + c] = b
-                rows[b, :] = r
-                cols[b, 0] = last_prompt
-                cols[b, 1:c] = torch.arange(col, col + c - 1)
-                cols[b, c:] = col + c - 1 if c > 0 else last_prompt  # padding: any valid
-                col += c
+        path = torch.zeros(0, dtype=torch.long)  # columns of the previous sample's tokens
+        for b, share in placed:
+            n = lens[b]
+            new = n - share  # the tokens it does not share with the previous sample
+            path = torch.cat([path[:share], torch.arange(col, col + new)])
+            ids[r, col:col + new] = batch.input_ids[b, share:n]
+            pos[r, col:col + new] = torch.arange(share, n)
+            if tree is not None and new:
+                tree[r, col:col + new, path[:share]] = True  # its ancestors
+                tree[r, col:col + new, col:col + new] = causal[:new, :new]  # and itself
+            c = n - starts[b]
+            rows[b, :] = r
+            cols[b, :c] = path[starts[b] - 1:n - 1]
+            cols[b, c:] = path[n - 1]  # padding: any valid position
+            segments.append(new)
+            col += new
         pad = capacity - col
         pos[r, col:] = torch.arange(pad)  # a segment of its own: never seen by samples
         if pad:
             segments.append(pad)
-    if kind == "packed":
+    if tree is None:
         cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(segments, dtype=torch.int32).cumsum(0)
         return Layout(ids, pos, None, rows, cols, cu, max(segments))
-    return Layout(ids, pos, _tree_mask(seg, branch), rows, cols)
+    tree |= torch.eye(capacity, dtype=torch.bool)  # padding sees itself
+    return Layout(ids, pos, tree.unsqueeze(1), rows, cols)
 
 
 def _padded(batch: Batch) -> Layout:
@@ -218,19 +286,72 @@ def _padded(batch: Batch) -> Layout:
     return Layout(batch.input_ids, None, batch.attention_mask, rows.contiguous(), cols)
 
 
-def _units(shapes: list[RowShape], share: bool) -> list[tuple[int, list[int]]]:
-    """(tokens, sample rows) per packing unit: one sample, or with ``share`` one group's
-    samples behind a single copy of their (identical) prompt."""
-    if not share:
-        return [(n, [b]) for b, (n, _, _) in enumerate(shapes)]
+def _written(shapes: list[RowShape], placed: list[Placed]) -> int:
+    """Tokens ``placed`` write: each sample's own minus what it shares."""
+    return sum(shapes[b].tokens - share for b, share in placed)
+
+
+def _group_units(shapes: list[RowShape]) -> list[list[Placed]]:
+    """``shared``'s packing units: each group's samples behind one copy of its prompt
+    (the first sample whole, every other from the prompt's end)."""
     by_group: dict[int, list[int]] = {}
-    for b, (_, _, g) in enumerate(shapes):
-        by_group.setdefault(g, []).append(b)
-    units = []
-    for samples in by_group.values():
-        p = shapes[samples[0]][1]
-        units.append((p + sum(shapes[b][0] - p for b in samples), samples))
-    return units
+    for b, s in enumerate(shapes):
+        by_group.setdefault(s.group, []).append(b)
+    return [[(b, 0 if k == 0 else shapes[samples[0]].prompt) for k, b in enumerate(samples)]
+            for samples in by_group.values()]
+
+
+def _trie_rows(shapes: list[RowShape], capacity: int) -> list[list[Placed]]:
+    """``trie``'s rows: samples in lexicographic order, each into the open row whose last
+    sample it shares most with, among the rows it fits (the first on ties), else a new
+    row. In that order a row's last sample is the one it shares most with in the row."""
+    order = sorted(range(len(shapes)), key=lambda b: shapes[b].ids)
+    rows: list[list[Placed]] = []
+    free: list[int] = []
+    for b in order:
+        best, best_share = -1, -1
+        for r, row in enumerate(rows):
+            share = _common_tokens(shapes[row[-1][0]].ids, shapes[b].ids)
+            if shapes[b].tokens - share <= free[r] and share > best_share:
+                best, best_share = r, share
+        if best < 0:
+            rows.append([(b, 0)])
+            free.append(capacity - shapes[b].tokens)
+        else:
+            rows[best].append((b, best_share))
+            free[best] -= shapes[b].tokens - best_share
+    return rows
+
+
+def _chain_rows(shapes: list[RowShape], capacity: int) -> list[list[Placed]]:
+    """``trie``'s other placement: samples in lexicographic order cut into chains (each
+    sample joins the previous one's chain while it shares a prefix with it and the chain
+    still fits), then the chains packed into rows by first-fit decreasing, as ``packed``
+    packs samples (each chain a tree of its own in its row)."""
+    chains: list[list[Placed]] = []
+    size: list[int] = []
+    for b in sorted(range(len(shapes)), key=lambda b: shapes[b].ids):
+        share = _common_tokens(shapes[chains[-1][-1][0]].ids, shapes[b].ids) if chains else 0
+        if share and size[-1] + shapes[b].tokens - share <= capacity:
+            chains[-1].append((b, share))
+            size[-1] += shapes[b].tokens - share
+        else:
+            chains.append([(b, 0)])
+            size.append(shapes[b].tokens)
+    return [[p for c in row for p in chains[c]] for row in _first_fit(size, capacity)]
+
+
+def _common_tokens(a: bytes, b: bytes) -> int:
+    """Tokens of the longest common prefix of two `RowShape.ids` (binary search over
+    C-level prefix comparisons)."""
+    lo, hi = 0, min(len(a), len(b)) // 4
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:4 * mid] == b[:4 * mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _first_fit(sizes: list[int], capacity: int) -> list[list[int]]:
@@ -249,16 +370,3 @@ def _first_fit(sizes: list[int], capacity: int) -> list[list[int]]:
             bins.append([i])
             free.append(capacity - sizes[i])
     return bins
-
-
-def _tree_mask(seg: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-    """bool [R, 1, C, C]: query i sees key j iff j <= i, both in one tree, and j is the
-    prompt or i's own completion. Padding (seg -1) sees only itself."""
-    c = seg.shape[1]
-    causal = torch.ones(c, c, dtype=torch.bool).tril()
-    same_tree = (seg.unsqueeze(2) == seg.unsqueeze(1)) & (seg.unsqueeze(2) >= 0)
-    key_prompt = (branch == -1).unsqueeze(1)
-    same_branch = branch.unsqueeze(2) == branch.unsqueeze(1)
-    mask = causal & same_tree & (key_prompt | same_branch)
-    mask |= torch.eye(c, dtype=torch.bool)
-    return mask.unsqueeze(1)

@@ -153,18 +153,23 @@ def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
 
 
 def layout_kind(cfg: Config, model: nn.Module) -> LayoutKind:
-    """padded | packed | shared (packed + prefix sharing where the attention allows).
+    """padded | packed | shared | trie: ``trainer.packing`` and ``trainer.prefix_sharing``
+    (true or ``prompt``: shared; ``trie``: trie) where the attention allows.
 
-    ``shared`` needs a 4D tree mask, so only a mask attention (sdpa, eager:
-    `pipeline.attention.MASK_ATTENTIONS`) gets it; any other (flash, hub kernels, flex)
-    gets ``packed``, whose sample boundaries the forward hands a varlen kernel explicitly
-    (`trainer.packing`)."""
+    ``shared`` and ``trie`` need a 4D tree mask, so only a mask attention (sdpa, eager:
+    `pipeline.attention.MASK_ATTENTIONS`) gets them; any other (flash, hub kernels, flex)
+    gets ``packed``, every sample's path written out in full, whose sample boundaries the
+    forward hands a varlen kernel explicitly (`trainer.packing`)."""
     if not cfg.trainer.packing:
         return "padded"
+    sharing = cfg.trainer.prefix_sharing
+    if sharing is False:
+        return "packed"
+    want: LayoutKind = "trie" if sharing == "trie" else "shared"
     body, _ = split_lm(model)
     attn = attention_implementation(body)
-    if cfg.trainer.prefix_sharing and attn in MASK_ATTENTIONS:
-        return "shared"
-    if cfg.trainer.prefix_sharing:
-        log.info("prefix sharing off: attention %r takes no tree mask (packing stays on)", attn)
+    if attn in MASK_ATTENTIONS:
+        return want
+    log.info("prefix sharing (%s) off: attention %r takes no tree mask (a tree is not a set "
+             "of varlen segments); packing stays on, each sample written in full", want, attn)
     return "packed"

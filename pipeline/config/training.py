@@ -127,13 +127,17 @@ class TrainerConfig(_Section):
     """Pack a micro-batch's samples into rows without padding (position ids restart per
     sample; attention stays within each sample: SDPA block mask on CPU, varlen
     flash-attention on CUDA when the model runs with a flash kernel)."""
-    prefix_sharing: bool = False
-    """With packing and an attention that takes a mask (sdpa, eager), forward a group's
-    prompt once for all its completions under a dense tree mask. It saves the prompt's
-    MLP and projection FLOPs but a whole group shares one row, so attention scores grow
-    with the group's length squared: measured 0.94x padded (packed: 1.82x) on a small
-    model with 32-128-token prompts (benchmarks/packing.py). Worth it for long prompts
-    and short completions on wide models. Ignored by flash-attention."""
+    prefix_sharing: bool | Literal["prompt", "trie"] = False
+    """With packing and an attention that takes a mask (sdpa, eager), forward shared
+    prefixes once under a dense tree mask. `true` or `prompt`: a group's prompt once for
+    all its completions, a whole group per row (attention grows with the group's length
+    squared: measured 0.94x padded, packed 1.82x, on a small model with 32-128-token
+    prompts). `trie`: a token trie over the micro-batch's samples, every shared prefix
+    once (a group's prompt, multi-turn episodes' common earlier turns, a system prompt
+    common to all groups), in rows no longer than the longest sample, as packing's; never
+    more rows than packing. Worth it where samples share long prefixes (multi-turn,
+    benchmarks/packing.py --multi-turn). Varlen (flash) attentions take no tree mask and
+    get packing, with a log line."""
     logprob_chunk_tokens: int = Field(256, ge=1)
     """Completion tokens whose vocabulary logits are materialised at once (the LM head is
     applied to hidden states of completion positions only, in chunks of this many, each

@@ -7,13 +7,17 @@
   is one row, and plain causal attention across each row otherwise. The packed layout must
   hand it one row or explicit segment boundaries matching the samples (each row's padding
   tail a segment of its own), never R > 1 rows without them; logprobs and gradients equal
-  the padded forward's (1e-5). Such an attention is never given the ``shared`` layout.
+  the padded forward's (1e-5). Such an attention is never given the ``shared`` or ``trie``
+  layout: configured for a trie, it gets ``packed`` (each sample's path in full), and what
+  reaches the kernel for multi-turn episodes sharing prefixes is pinned: one segment per
+  sample (its whole length) and per padding tail, positions restarting per segment.
 - ``eager`` adds its mask to the scores, so the tree mask must reach it as 0 / dtype-min:
-  packed and shared logprobs equal the padded forward's (1e-5).
+  packed, shared and trie logprobs equal the padded forward's (1e-5).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import pairwise
@@ -31,11 +35,11 @@ from transformers.modeling_flash_attention_utils import (
     prepare_fa_kwargs_from_position_ids,
 )
 
-from benchmarks.synthetic import scored_groups
+from benchmarks.synthetic import episode_groups, scored_groups
 from pipeline.model import init_tiny_model, load_model
 from trainer.batch import Batch, build_batch
 from trainer.logprobs import CompletionLogprobs
-from trainer.packing import make_layout
+from trainer.packing import layout_cost, make_layout
 from trainer.setup import layout_kind
 
 torch.set_num_threads(1)
@@ -165,7 +169,7 @@ def test_packed_segments_are_the_samples_and_each_padding_tail(batch: Batch) -> 
     # the same boundaries transformers would read from the position ids of one flat row
     (want, _), _ = prepare_fa_kwargs_from_position_ids(lay.position_ids.reshape(1, -1))
     assert cu == want.tolist()
-    for kind in ("padded", "shared"):
+    for kind in ("padded", "shared", "trie"):
         assert make_layout(batch, kind, pad_id=0).cu_seqlens is None  # type: ignore[arg-type]
 
 
@@ -212,7 +216,49 @@ def test_a_varlen_attention_never_gets_the_tree_mask(model_dir: Path, batch: Bat
         _logps(model, batch, "shared")
 
 
-@pytest.mark.parametrize("kind", ["packed", "shared"])
+def test_a_varlen_attention_configured_for_a_trie_gets_each_sample_in_full(
+        model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``prefix_sharing = "trie"`` on a varlen kernel: `layout_kind` falls back to
+    ``packed`` and says why; the kernel gets every sample as one segment of its full
+    length (shared prefixes written again), positions 0..n-1 in each, and the logprobs
+    of the padded forward."""
+    episodes = build_batch(episode_groups(2, 4, vocab_size=76, prompt_tokens=(3, 8),
+                                          turns=(2, 3), turn_tokens=(2, 6),
+                                          observation_tokens=(2, 4), repeat=0.7, seed=2),
+                           pad_id=0)
+    assert layout_cost(episodes, "trie") < layout_cost(episodes, "packed")  # it shares
+    model = _model(model_dir, VARLEN)
+    cfg = SimpleNamespace(trainer=SimpleNamespace(packing=True, prefix_sharing="trie"))
+    with caplog.at_level(logging.INFO, logger="sluice.trainer"):
+        kind = layout_kind(cfg, model)  # type: ignore[arg-type]
+    assert kind == "packed" and "takes no tree mask" in caplog.text
+    assert layout_kind(cfg, _model(model_dir, "sdpa")) == "trie"  # type: ignore[arg-type]
+    want = _padded_logps(model_dir, episodes)
+    lay = make_layout(episodes, kind, pad_id=0)
+    r, c = lay.input_ids.shape
+    assert r > 1 and lay.cu_seqlens is not None and lay.position_ids is not None
+    CALLS.clear()
+    with torch.no_grad():
+        got = _logps(model, episodes, kind)
+    cu = lay.cu_seqlens.tolist()
+    lens = [b - a for a, b in pairwise(cu)]
+    used = torch.zeros(r, dtype=torch.long).index_add_(0, lay.rows[:, 0], episodes.seq_lens)
+    assert sorted(lens) == sorted(episodes.seq_lens.tolist() + [c - int(u) for u in used
+                                                                if u < c])
+    flat = lay.position_ids.reshape(-1)
+    for a, b in pairwise(cu):
+        assert flat[a:b].tolist() == list(range(b - a))
+    assert len(CALLS) == model.config.num_hidden_layers
+    for call in CALLS:
+        assert not call.mask and call.batch_size == r
+        assert call.cu_seq_lens_q == call.cu_seq_lens_k == cu
+        assert call.max_length_q == call.max_length_k == int(episodes.seq_lens.max())
+        assert call.max_lengths_are_ints
+    m = episodes.mask > 0
+    torch.testing.assert_close(got[m], want[m], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["packed", "shared", "trie"])
 def test_eager_layouts_equal_the_padded_logprobs(model_dir: Path, batch: Batch,
                                                  kind: str) -> None:
     want = _padded_logps(model_dir, batch)

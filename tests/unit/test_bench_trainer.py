@@ -47,6 +47,11 @@ def test_packing_quick_prints_finite_gains(capsys: pytest.CaptureFixture[str]) -
     assert re.search(r"packed/padded tokens/s = \S+x .*gain / packing ratio = \d", out)
 
 
+def test_packing_quick_multi_turn_times_the_trie(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out = _ratios(packing.main, ["--quick", "--multi-turn"], capsys)
+    assert "episodes" in out and re.search(r"trie/padded tokens/s = \S+x", out)
+
+
 def test_gpu_trainer_runs_on_cpu_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     _, out = _ratios(gpu_trainer.main, ["--cpu", "--tiny", "--quick"], capsys)
     assert "packed/padded tokens/s" in out and "publish (file transport" in out

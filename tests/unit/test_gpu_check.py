@@ -20,6 +20,7 @@ def test_the_gpu_check_passes_on_the_cpu(tmp_path: Path) -> None:
     assert all(s["ok"] for s in stages.values()), stages
     assert stages["control_plane"]["backend"] == "gloo"
     assert stages["layouts"]["float32/eager/shared"] <= gpu_check.FP32_TOL
+    assert stages["layouts"]["float32/sdpa/trie"] <= gpu_check.FP32_TOL
     assert stages["fsdp"]["resumed_step"] == 2
 
 

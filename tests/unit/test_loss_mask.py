@@ -365,7 +365,7 @@ def loss_and_grads(path: Path, batch: Batch, st: StepSettings, old_model: Path |
     return float(loss.detach()), grads(model), metrics
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared", "trie"])
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "dr_grpo"])
 def test_an_episode_trains_like_its_turns_as_single_turn_rows(
         models: tuple[Path, Path], loss_type: str, layout: str) -> None:

@@ -30,7 +30,7 @@ from trainer.step import (
 )
 
 torch.set_num_threads(1)
-LAYOUTS = ("padded", "packed", "shared")
+LAYOUTS = ("padded", "packed", "shared", "trie")
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +82,9 @@ def test_lean_logps_equal_the_full_logits_path_in_every_layout(model_dir: Path,
 
 
 def test_packed_layouts_forward_fewer_tokens(batch: Batch) -> None:
-    padded, packed, shared = (layout_cost(batch, k) for k in LAYOUTS)
+    padded, packed, shared, trie = (layout_cost(batch, k) for k in LAYOUTS)
     real = int(batch.seq_lens.sum())
-    assert shared < packed <= padded and packed >= real
+    assert shared < packed <= padded and packed >= real and trie <= packed
     for kind in LAYOUTS:
         lay = make_layout(batch, kind, pad_id=0)  # type: ignore[arg-type]
         assert lay.input_ids.numel() == layout_cost(batch, kind)  # type: ignore[arg-type]

@@ -64,6 +64,7 @@ def _batch(rows: list[tuple[int, int, int]]) -> Batch:
     ("padded", 3, 18, 15),   # three rows of 6 columns; 5 + 6 + 4 tokens
     ("packed", 3, 18, 15),   # units 6, 5, 4 in rows of 6: none fit together
     ("shared", 2, 16, 12),   # group 0 as one unit 3 + 2 + 3 = 8, group 1's 4 beside
+    ("trie", 1, 6, 6),       # all-zero ids: 4, 5, 6 tokens nest, one chain of 6
 ])
 def test_layout_stats_are_the_hand_count(kind: str, rows: int, forwarded: int,
                                          real: int) -> None:
