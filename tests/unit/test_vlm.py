@@ -91,7 +91,7 @@ def test_the_tiny_vlm_freezes_what_trl_freezes(vlm_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_and_shared_logprobs_equal_padded_under_mrope(vlm_dir: Path, attn: str,
+def test_packed_shared_and_trie_logprobs_equal_padded_under_mrope(vlm_dir: Path, attn: str,
                                                             monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
     model, _ = load_model(vlm_dir, attn_implementation=attn)
@@ -99,7 +99,7 @@ def test_packed_and_shared_logprobs_equal_padded_under_mrope(vlm_dir: Path, attn
     fwd = CompletionLogprobs(model, 0.9, chunk_tokens=7)
     with torch.no_grad():
         padded = fwd(make_layout(batch, "padded", 0), batch)[0]
-        for kind in ("packed", "shared"):
+        for kind in ("packed", "shared", "trie"):
             got = fwd(make_layout(batch, kind, 0), batch)[0]
             torch.testing.assert_close(got, padded, atol=1e-5, rtol=0)
         # the case model_positions exists for: Qwen2.5-VL expands [R, C] positions to
