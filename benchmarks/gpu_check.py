@@ -46,11 +46,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported (transformers
+# imports it below): set here, before that, so "the cache only, never the network" holds.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks.synthetic import scored_groups
+from pipeline.attention import FLASH_ATTN2
 from pipeline.ports import free_port
 from pipeline.rl.losses import LossConfig
 from pipeline.weights import FileTransport, read_full
@@ -63,7 +68,7 @@ from trainer.step import StepSettings, optimize
 
 BF16_TOL = 0.05  # nats: bf16 logprobs of other kernels / layouts (seen: 0.004 on the CPU)
 FP32_TOL = 1e-4
-FLASH_KERNEL = "kernels-community/flash-attn2"
+FLASH_KERNEL = FLASH_ATTN2  # the kernel deploy/setup.sh --gpu caches on every NVIDIA GPU
 
 
 class _OneRankJob(Ranks):
@@ -156,7 +161,6 @@ def flash_attention(device: torch.device) -> tuple[str, str]:
         return "flash_attention_2", ""
     if importlib.util.find_spec("kernels") is None:
         return "", "neither flash_attn nor the kernels library is installed"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         probe = tiny_model(device, torch.bfloat16)
         probe.set_attn_implementation(FLASH_KERNEL)

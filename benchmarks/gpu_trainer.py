@@ -19,7 +19,7 @@ Arms, each `trainer.step.optimize` with ``micro_batch_tokens`` and one layout:
 (packing + ``trainer.prefix_sharing``, a tree mask over each group),
 ``padded/bf16-head`` (padded with the LM head under bf16 autocast instead of float32,
 `trainer.fp32_lm_head` off: the float32 head's cost is padded / this) and,
-only when the ``kernels`` package can load ``kernels-community/flash-attn`` from the
+only when the ``kernels`` package can load ``kernels-community/flash-attn2`` from the
 local cache (offline), ``packed+fa`` (packed rows as varlen flash attention); otherwise
 it says why it is skipped. One model and optimizer serve all arms in turn (weights drift;
 timing does not depend on them): per arm a warm-up step, then ``--steps`` timed steps on
@@ -47,10 +47,15 @@ import tempfile
 import time
 from pathlib import Path
 
+# huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported (transformers
+# imports it below): set here, before that, so "the cache only, never the network" holds.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks.synthetic import scored_groups
+from pipeline.attention import FLASH_ATTN2
 from pipeline.rl.losses import LossConfig
 from pipeline.runtime import set_threads
 from pipeline.weights import FileTransport
@@ -58,7 +63,7 @@ from trainer.batch import Batch, build_batch
 from trainer.packing import LayoutKind
 from trainer.step import StepSettings, optimize
 
-FLASH = "kernels-community/flash-attn"
+FLASH = FLASH_ATTN2  # the kernel deploy/setup.sh --gpu caches on every NVIDIA GPU
 Arm = tuple[str, LayoutKind, str]  # (name, layout, attention)
 
 
@@ -92,7 +97,6 @@ def flash_status(model: torch.nn.Module, device: torch.device) -> str:
         return "flash-attn skipped: needs CUDA"
     if importlib.util.find_spec("kernels") is None:
         return "flash-attn skipped: the `kernels` package is not installed"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the cache only, never the network
     try:
         model.set_attn_implementation(FLASH)  # type: ignore[operator]
     except Exception as e:  # any failure to load means "skip"

@@ -1,0 +1,38 @@
+"""The GPU scripts probe the flash kernel that ``deploy/setup.sh --gpu`` caches, and they
+really run offline: huggingface_hub reads ``HF_HUB_OFFLINE`` once, at its first import
+(transformers imports it), so a script that sets it later leaves the network on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.attention import DeviceProps, kernels_to_cache
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("module", ["benchmarks.gpu_check", "benchmarks.gpu_trainer"])
+def test_importing_a_gpu_script_turns_the_hub_offline_before_transformers(module: str) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    code = (f"import {module}\n"
+            "from huggingface_hub import constants\n"
+            "print(constants.HF_HUB_OFFLINE)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)])
+def test_the_scripts_flash_kernel_is_cached_on_every_nvidia_gpu(capability: tuple[int, int]
+                                                                ) -> None:
+    from benchmarks import gpu_check, gpu_trainer
+
+    cached = kernels_to_cache(DeviceProps("cuda", capability))
+    assert gpu_trainer.FLASH in cached and gpu_check.FLASH_KERNEL in cached
