@@ -43,6 +43,8 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +118,33 @@ def one_rank_group(device: torch.device) -> Iterator[str]:
         dist.destroy_process_group()
 
 
+class StageHung(TimeoutError):
+    """A stage's work did not return in time (an NCCL collective that never completes):
+    its thread cannot be stopped, so the check reports it and exits without joining it."""
+
+
+def on_compute_thread(pool: ThreadPoolExecutor, fn: Callable[[], Any], timeout_s: float) -> Any:
+    """``fn()`` on the rank's compute thread, `StageHung` after ``timeout_s``."""
+    try:
+        return pool.submit(fn).result(timeout_s)
+    except FuturesTimeout:
+        raise StageHung(f"no result in {timeout_s:g} s: the thread is stuck (a hung "
+                        "collective?) and is left behind") from None
+
+
+def release(pool: ThreadPoolExecutor) -> None:
+    """Shut the pool down without waiting: a stuck thread must not hang the check."""
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    """The report as it stands, replaced atomically: after every stage, so a check that
+    dies or is killed later still leaves what it found."""
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, out)
+
+
 # ------------------------------------------------------------------ stages
 
 
@@ -134,9 +163,9 @@ def stage_control_plane(device: torch.device) -> dict[str, Any]:
                     out["current_device"] = torch.cuda.current_device()
                 return out
 
-            return pool.submit(collectives).result(120)
+            return on_compute_thread(pool, collectives, 120)
     finally:
-        pool.shutdown()
+        release(pool)
 
 
 def layout_logps(model: torch.nn.Module, batch: Batch, kind: LayoutKind) -> torch.Tensor:
@@ -220,9 +249,9 @@ def stage_fsdp(device: torch.device) -> dict[str, Any]:
     pool = compute_thread(device)
     try:
         with one_rank_group(device), tempfile.TemporaryDirectory() as tmp:
-            return pool.submit(_fsdp_round_trip, device, Path(tmp)).result(900)
+            return on_compute_thread(pool, lambda: _fsdp_round_trip(device, Path(tmp)), 900)
     finally:
-        pool.shutdown()
+        release(pool)
 
 
 def _sharded(device: torch.device) -> tuple[CompletionLogprobs, torch.optim.Optimizer]:
@@ -317,11 +346,17 @@ def main(argv: list[str] | None = None) -> int:
                    "traceback": traceback.format_exc().splitlines()[-12:]}
         row["seconds"] = round(time.perf_counter() - t0, 2)
         report["stages"][name] = row
+        write_report(report, Path(a.out))
         print(f"[gpu_check] {name}: {'ok' if row['ok'] else 'FAILED ' + row['error']} "
               f"({row['seconds']} s)", flush=True)
-    Path(a.out).write_text(json.dumps(report, indent=1, default=str))
+        if "StageHung" in row.get("error", ""):
+            break  # the device may be wedged: the later stages would hang too
     ok = all(r["ok"] for r in report["stages"].values())
-    print(f"[gpu_check] {'all stages passed' if ok else 'FAILED'}; report in {a.out}")
+    print(f"[gpu_check] {'all stages passed' if ok else 'FAILED'}; report in {a.out}",
+          flush=True)
+    if any("StageHung" in r.get("error", "") for r in report["stages"].values()):
+        sys.stderr.flush()
+        os._exit(1)  # interpreter exit would join the stuck thread and hang
     return 0 if ok else 1
 
 

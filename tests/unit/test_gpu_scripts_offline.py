@@ -36,3 +36,42 @@ def test_the_scripts_flash_kernel_is_cached_on_every_nvidia_gpu(capability: tupl
 
     cached = kernels_to_cache(DeviceProps("cuda", capability))
     assert gpu_trainer.FLASH in cached and gpu_check.FLASH_KERNEL in cached
+
+
+HANGING_CHECK = """
+import sys, threading, torch
+from benchmarks import gpu_check
+from trainer.distributed import compute_thread
+
+def fine(device):
+    return {"note": "ran"}
+
+def hangs(device):
+    pool = compute_thread(device)
+    try:
+        return gpu_check.on_compute_thread(pool, threading.Event().wait, 1)
+    finally:
+        gpu_check.release(pool)
+
+def never(device):
+    raise AssertionError("a stage after a hung one must not run")
+
+gpu_check.STAGES[:] = [("fine", fine), ("hangs", hangs), ("never", never)]
+sys.exit(gpu_check.main(["--cpu", "--out", sys.argv[1]]))
+"""
+
+
+def test_a_hung_stage_is_reported_and_the_check_exits(tmp_path: Path) -> None:
+    """A collective that never returns (an NCCL hang) must not hang the one-shot check:
+    the stage fails after its timeout, the report is on disk, the check exits 1 without
+    joining the stuck thread, and no later stage runs on the wedged device."""
+    import json
+
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-c", HANGING_CHECK, str(out)], cwd=ROOT,
+                          text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    stages = json.loads(out.read_text())["stages"]
+    assert stages["fine"]["ok"] and stages["fine"]["note"] == "ran"
+    assert not stages["hangs"]["ok"] and "StageHung" in stages["hangs"]["error"]
+    assert "never" not in stages
