@@ -3,8 +3,11 @@
     .venv/bin/python -m benchmarks.gpu_check [--out gpu_check.json]   # on one CUDA GPU
     .venv/bin/python -m benchmarks.gpu_check --cpu                    # the CPU run CI makes
 
-Stages, in order; each is recorded (ok, seconds, figures, error) in one JSON report, and
-the command exits 1 if any failed (2: no CUDA device without ``--cpu``):
+Stages, in order; each is recorded (ok, seconds, figures, error) in one JSON report,
+rewritten after every stage, and the command exits 1 if any failed (2: no CUDA device
+without ``--cpu``). Work on the compute thread has a timeout (`on_compute_thread`): a stage
+whose collective never returns fails ``StageHung``, no later stage runs, and the check
+exits without joining the stuck thread (a hung NCCL call cannot be cancelled).
 
 1. ``control_plane``: a one-rank process group on `trainer.distributed.backend_for` the
    device (``cpu:gloo,cuda:nccl`` on CUDA), one all-reduce of a CPU tensor (the control
