@@ -99,7 +99,7 @@ class Checkpointer:
         the path on rank 0, None elsewhere)."""
         ranks = ranks or Ranks()
         weights = adapter_state(model) if is_peft(model) else full_state(model, ranks)
-        optim = get_optimizer_state_dict(model, optimizer, options=_options(ranks))
+        optim = get_optimizer_state_dict(model, optimizer, options=_options())
         if not ranks.is_main:
             return None
         self._check()  # a trainer that lost its lock does not even start writing
@@ -166,10 +166,10 @@ class Checkpointer:
                                   strict=False)
         else:
             model.load_state_dict(load_file(str(weights)))
-        saved = torch.load(path / "optimizer.pt", weights_only=True)
+        saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         if "optimizer" in saved:
             set_optimizer_state_dict(model, optimizer, saved["optimizer"],
-                                     options=_options(ranks))
+                                     options=_options())
             if scheduler is not None and saved.get("scheduler") is not None:
                 scheduler.load_state_dict(saved["scheduler"])
         else:  # written before parameter-name keys: a plain optimizer.state_dict()
@@ -191,7 +191,7 @@ class Checkpointer:
             if not (path / WEIGHTS_FILE).is_file():
                 raise ValueError(f"checkpoint {path} has no {WEIGHTS_FILE} (a LoRA run's?)")
             weights = load_file(str(path / WEIGHTS_FILE))
-            saved = torch.load(path / "optimizer.pt", weights_only=True)
+            saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
             if "optimizer" not in saved:
                 raise ValueError(f"checkpoint {path} predates parameter-name optimizer "
                                  "state; resume it with one rank first")
@@ -220,6 +220,12 @@ def _state(meta: dict) -> TrainerState:
     return TrainerState(**{k: v for k, v in meta.items() if k != "generation"})
 
 
-def _options(ranks: Ranks) -> StateDictOptions:
-    return StateDictOptions(full_state_dict=True, cpu_offload=ranks.distributed)
+def _options() -> StateDictOptions:
+    """Full (unsharded) optimizer state, always gathered to the CPU: a one-rank GPU trainer
+    would otherwise write CUDA tensors into ``optimizer.pt`` (its GPU index baked in). Read
+    back with ``map_location="cpu"``; ``Optimizer.load_state_dict`` then moves each state
+    to its parameter's device, so a resume never needs the saver's GPU (or its free memory
+    for a second copy of the state). On the CPU both are no-ops (``.to("cpu")`` returns the
+    tensor itself)."""
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 

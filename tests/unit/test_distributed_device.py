@@ -115,3 +115,38 @@ def test_the_trainer_runs_every_torch_call_in_its_compute_thread() -> None:
                  if "to_thread(" in line and "tracker" not in line]
     assert offenders == []
     assert distributed.compute_thread.__name__ in src
+
+
+def test_a_one_rank_checkpoint_keeps_optimizer_state_on_the_cpu_and_resumes_anywhere(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-rank GPU trainer's AdamW state lives on its GPU. What reaches torch: the state
+    is gathered with ``cpu_offload`` (so ``optimizer.pt`` holds CPU tensors, no GPU index
+    baked in) and read back with ``map_location="cpu"`` (a machine without the saver's GPU
+    resumes; ``Optimizer.load_state_dict`` moves each state to its parameter's device)."""
+    from trainer import checkpoint
+    from trainer.checkpoint import TrainerState
+
+    gets: list[Any] = []
+    loads: list[dict[str, Any]] = []
+    real_get, real_load = checkpoint.get_optimizer_state_dict, torch.load
+    monkeypatch.setattr(checkpoint, "get_optimizer_state_dict",
+                        lambda *a, **k: gets.append(k["options"]) or real_get(*a, **k))
+    monkeypatch.setattr(checkpoint.torch, "load",
+                        lambda *a, **k: loads.append(k) or real_load(*a, **k))
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(model, opt, TrainerState(step=1))
+    fresh = torch.nn.Linear(3, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    assert ckpt.load_latest(fresh, fresh_opt) is not None
+    assert [o.cpu_offload and o.full_state_dict for o in gets] == [True]
+    assert [k.get("map_location") for k in loads] == ["cpu"]
+    saved = real_load(tmp_path / "step-00000001" / "optimizer.pt", weights_only=True)
+    state = saved["optimizer"]["state"]
+    assert state and all(t.device.type == "cpu" for s in state.values()
+                         for t in s.values() if isinstance(t, torch.Tensor))
+    torch.testing.assert_close(fresh_opt.state_dict()["state"][0]["exp_avg"],
+                               opt.state_dict()["state"][0]["exp_avg"])
