@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 import tempfile
@@ -124,21 +125,28 @@ def run_arm(model: torch.nn.Module, opt: torch.optim.Optimizer, arm: Arm,
     model.set_attn_implementation(attn)  # type: ignore[operator]
     st = StepSettings(**{**vars(st), "layout": layout,
                          "fp32_head": not name.endswith("bf16-head")})
-    optimize(model, opt, batches[0], st)  # warm-up (allocates AdamW state on the first arm)
+    steps = [optimize(model, opt, batches[0], st)]  # warm-up (allocates AdamW state)
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     seconds = 0.0
     for b in batches[1:]:
         t0 = time.perf_counter()
-        optimize(model, opt, b, st)
+        steps.append(optimize(model, opt, b, st))
         sync(device)
         seconds += time.perf_counter() - t0
     timed = batches[1:]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     return {"tokens": float(sum(int(b.seq_lens.sum()) for b in timed)),
             "trained": float(sum(b.num_tokens for b in timed)), "seconds": seconds,
-            "peak_gb": peak}
+            "peak_gb": peak, "bad_steps": float(bad_steps(steps))}
+
+
+def bad_steps(steps: list[dict[str, float]]) -> int:
+    """Steps whose loss or gradient norm was not finite, or that the trainer skipped for
+    it: a benchmark that times such steps measures nothing, so the run fails."""
+    return sum(not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]))
+               or m.get("skipped", 0.0) > 0 for m in steps)
 
 
 def publish_seconds(model: torch.nn.Module) -> tuple[float, int]:
@@ -225,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         print(skipped)
     print(f"publish (file transport, full state dict): {pub_s:.2f} s for "
           f"{pub_bytes / 2**30:.2f} GiB; training arms took {train_s:.1f} s")
+    bad = {name: int(r["bad_steps"]) for name, r in rows.items() if r["bad_steps"]}
+    if bad:
+        print(f"gpu_trainer: FAILED: steps with a non-finite loss or gradient: {bad}")
+        return 1
     return 0
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +76,27 @@ def test_a_hung_stage_is_reported_and_the_check_exits(tmp_path: Path) -> None:
     assert stages["fine"]["ok"] and stages["fine"]["note"] == "ran"
     assert not stages["hangs"]["ok"] and "StageHung" in stages["hangs"]["error"]
     assert "never" not in stages
+
+
+def test_the_trainer_benchmark_fails_on_a_non_finite_step(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """gpu_check's trainer stage judges gpu_trainer by its exit code: a NaN loss, an
+    infinite gradient or a step the trainer skipped must make it exit 1, not print
+    tokens/s of steps that trained nothing."""
+    from benchmarks import gpu_trainer
+
+    assert gpu_trainer.bad_steps([{"loss": 0.1, "grad_norm": 1.0, "skipped": 0.0}]) == 0
+    assert gpu_trainer.bad_steps([{"loss": float("nan"), "grad_norm": 1.0},
+                                  {"loss": 0.1, "grad_norm": float("inf")},
+                                  {"loss": 0.1, "grad_norm": 1.0, "skipped": 1.0}]) == 3
+    real = gpu_trainer.optimize
+    calls = {"n": 0}
+
+    def one_nan(*a: Any, **k: Any) -> dict[str, float]:
+        calls["n"] += 1
+        out = real(*a, **k)
+        return {**out, "loss": float("nan")} if calls["n"] == 3 else out
+
+    monkeypatch.setattr(gpu_trainer, "optimize", one_nan)
+    assert gpu_trainer.main(["--cpu", "--tiny", "--quick"]) == 1
+    assert "non-finite" in capsys.readouterr().out
