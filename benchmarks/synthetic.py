@@ -33,15 +33,7 @@ def scored_groups(n_groups: int, num_generations: int, *, vocab_size: int,
                 logprobs=(-rng.random(c_len) * 3 - 0.05).astype(np.float32),
                 versions=np.full(c_len, version, dtype=np.int32),
                 mask=np.ones(c_len, dtype=np.uint8), finish_reason="length", text=""))
-        rewards = rng.random(num_generations).astype(np.float32)
-        adv = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-4)
-        group = RolloutGroup(group_id=f"0:{g}", prompt_index=g, epoch=0, prompt={},
-                             prompt_ids=prompt, generator="synthetic", t_admit=0.0,
-                             t_done=0.0, rollouts=rollouts)
-        out.append(ScoredGroup(group=group.for_training(),
-                               rewards=rewards, reward_parts={"r": rewards},
-                               advantages=adv.astype(np.float32), scorer="synthetic",
-                               t_scored=0.0))
+        out.append(_scored(g, prompt, rollouts, rng))
     return out
 
 
@@ -95,13 +87,19 @@ def episode_groups(n_groups: int, num_generations: int, *, vocab_size: int,
                 completion_ids=comp, logprobs=logps.astype(np.float32),
                 versions=np.zeros(len(comp), dtype=np.int32), mask=m,
                 finish_reason="stop", text=""))
-        rewards = rng.random(num_generations).astype(np.float32)
-        adv = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-4)
-        group = RolloutGroup(group_id=f"0:{g}", prompt_index=g, epoch=0, prompt={},
-                             prompt_ids=prompt, generator="synthetic", t_admit=0.0,
-                             t_done=0.0, rollouts=rollouts)
-        out.append(ScoredGroup(group=group.for_training(),
-                               rewards=rewards, reward_parts={"r": rewards},
-                               advantages=adv.astype(np.float32), scorer="synthetic",
-                               t_scored=0.0))
+        out.append(_scored(g, prompt, rollouts, rng))
     return out
+
+
+def _scored(g: int, prompt: np.ndarray, rollouts: list[Rollout],
+            rng: np.random.Generator) -> ScoredGroup:
+    """Group ``g`` of ``rollouts`` with uniform random rewards (drawn from ``rng`` after
+    the rollouts) and their group-normalised advantages, as a scorer hands it on."""
+    rewards = rng.random(len(rollouts)).astype(np.float32)
+    adv = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-4)
+    group = RolloutGroup(group_id=f"0:{g}", prompt_index=g, epoch=0, prompt={},
+                         prompt_ids=prompt, generator="synthetic", t_admit=0.0,
+                         t_done=0.0, rollouts=rollouts)
+    return ScoredGroup(group=group.for_training(), rewards=rewards,
+                       reward_parts={"r": rewards}, advantages=adv.astype(np.float32),
+                       scorer="synthetic", t_scored=0.0)

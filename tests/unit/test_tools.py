@@ -20,6 +20,7 @@ from pipeline.config import Config, ConfigError
 from pipeline.model import load_tokenizer
 from pipeline.rollout_meter import RolloutMeter
 from tests.helpers import CHATML, build_bpe_model
+from tests.tool_model import add as add  # a tool named by this module's path (ME)
 from workers.engines.base import Completion, SamplingParams
 from workers.environments import Action
 from workers.environments.runner import EnvironmentRunner, episode_prompt
@@ -39,15 +40,6 @@ trl = pytest.importorskip("trl")  # for Qwen2.5's chat template, as TRL ships it
 QWEN25 = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
 ME = "tests.unit.test_tools"
 
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a + b
 
 
 async def slow_echo(text: str, delay_s: float = 0.0) -> str:
