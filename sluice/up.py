@@ -49,6 +49,7 @@ from sluice.audit_run import audit_at_end
 from sluice.embedded import EmbeddedRedis
 from sluice.monitor import snapshot
 from sluice.restarts import RestartPolicy
+from sluice.server_watch import ServerWatch
 from sluice.supervisor import Supervisor
 from sluice.vllm_launch import LocalServer, ServerSpec, launch, stop_all
 from sluice.vllm_placement import launches_eval_server, vllm_specs
@@ -167,15 +168,16 @@ def begin_end(sup: Supervisor, reason: str) -> bool:
     return True
 
 
-async def supervise(sup: Supervisor, stop: asyncio.Event, hard: asyncio.Event | None = None
-                    ) -> tuple[str, float | None]:
+async def supervise(sup: Supervisor, stop: asyncio.Event, hard: asyncio.Event | None = None,
+                    watch: ServerWatch | None = None) -> tuple[str, float | None]:
     """Watch the run until it ends (`stop_reason`, or ``up.stop_at`` met by the
     evaluator), showing its progress; returns why it ended and, when it ends in order
     (max_time_s or a first Ctrl-C, `begin_end`: the trainer has announced the end and
     the other roles are finishing), the time by which they must have exited (None for
     every other reason, and after a second Ctrl-C or ``up.end_timeout_s``: every role is
     then stopped as it stands). ``hard`` set with ``stop`` (SIGTERM, a process manager's
-    stop): no orderly end."""
+    stop): no orderly end. ``watch``: the vLLM servers this process launched, started
+    again when one exits (`sluice.server_watch`) until the run ends in order."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -196,6 +198,8 @@ async def supervise(sup: Supervisor, stop: asyncio.Event, hard: asyncio.Event | 
         with progress:
             while True:
                 reason = stop_reason(sup, stop, policy, finished_at, ending is not None)
+                if reason is None and watch is not None and ending is None:
+                    reason = watch.poll()
                 if reason is not None and ending is None and reason.startswith(ORDERLY) \
                         and not (hard is not None and hard.is_set()) and begin_end(sup, reason):
                     ending, ending_at = reason, time.time()
@@ -352,7 +356,9 @@ def run_up(cfg: Config, config_path: str, overrides: list[str], *,
             urls = [s.url for s in servers]
         n = cfg.generation.vllm.launch
         sup.start_roles(vllm_urls=urls[:n], eval_urls=urls[n:])
-        reason, end_by = loop.run_until_complete(supervise(sup, stop, hard))
+        watch = ServerWatch(servers, RestartPolicy(max_restarts=cfg.up.max_restarts,
+                                                   window_s=cfg.up.restart_window_s))
+        reason, end_by = loop.run_until_complete(supervise(sup, stop, hard, watch))
         if reason == "finished" or end_by is not None:
             # every role exits on RunFinished (the evaluator after evaluating the final
             # version); give them time to, then insist

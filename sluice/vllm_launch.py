@@ -169,6 +169,11 @@ class LocalServer:
     def log_path(self) -> Path:
         return self.workdir / f"vllm-{self.port}.log"
 
+    @property
+    def terminated(self) -> bool:
+        """Whether `terminate` (or `stop`) asked this start of the server to stop."""
+        return self._terminated
+
     def start(self) -> LocalServer:
         """Spawn the server (returns at once; `wait_ready` blocks). Reuses ``port`` when
         set, so a restarted server comes back at the URL generators already know."""

@@ -101,7 +101,8 @@ def make_transport(cfg: Config, *, keep: int = 4) -> WeightTransport:
     v = cfg.generation.vllm
     if cfg.generation.engine == "vllm" and v.weight_transfer == "nccl":
         from pipeline.vllm_auth import vllm_api_key
-        from pipeline.weights.nccl import NCCLTransport, NCCLWeightSync
+        from pipeline.weights.nccl import NCCLWeightSync
+        from pipeline.weights.nccl_transport import NCCLTransport
 
         sync = NCCLWeightSync(v.urls, v.nccl_master_address, v.nccl_master_port,
                               timeout_s=v.nccl_timeout_s, device=_trainer_gpu(cfg),

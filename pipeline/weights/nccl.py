@@ -57,7 +57,15 @@ Ordering invariants (every step on every server concurrently):
    NCCL); the sync is marked broken and further pushes refuse until re-created. A step
    that times out (join, push) marks it broken too, whatever phase it was in, so no
    later version waits out the timeout again.
-4. Bounded: `init` returns or raises within ``timeout_s``; `push` within ``timeout_s``
+4. Servers are never left wedged: when a join or push fails once the servers were in it
+   (their workers may be blocked in NCCL for good: no timeout, no abort from outside,
+   and ``/health`` still answers), every server is asked to exit (``POST /sluice/exit``,
+   which the key guard `sluice.vllm_launch` loads into each keyed server answers:
+   `workers.engines.vllm_guard`) instead of resumed; whatever started it starts it again
+   (`sluice up` restarts the servers it launched; Kubernetes restarts the container), and
+   it comes back with the newest version from the store. A server that cannot be asked
+   (no guard) is named in the log, to restart by hand.
+5. Bounded: `init` returns or raises within ``timeout_s``; `push` within ``timeout_s``
    plus ``resume_timeout_s``. A blocking NCCL call that never returns is left in its
    daemon thread (it cannot be interrupted), never awaited past the bound.
 """
@@ -70,16 +78,12 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 
-from pipeline.bus.schema import WeightsPublished
 from pipeline.vllm_auth import auth_headers, vllm_api_key
-from pipeline.weights.base import WeightSource, WeightTransport
-from pipeline.weights.file import FileTransport
-from pipeline.weights.nccl_binding import Binding, NCCLBindingError, check_binding, local_binding
+from pipeline.weights.nccl_binding import Binding, check_binding, local_binding
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +97,7 @@ PACKED_BUFFER_SIZE_BYTES = 1 << 30
 PACKED_NUM_BUFFERS = 2
 NCCL_TIMEOUT_S = 300.0  # the default of generation.vllm.nccl_timeout_s
 RESUME_TIMEOUT_S = 30.0  # at most; never more than the sync's timeout_s
+EXIT_PATH = "/sluice/exit"  # workers.engines.vllm_guard.EXIT_PATH (stdlib-only over there)
 
 
 class WeightSyncError(RuntimeError):
@@ -207,6 +212,8 @@ class NCCLWeightSync:
         self.world_size = 0
         self.broken: str | None = None
         self.last_cache_reset: dict[str, bool] = {}
+        self.in_collective = False  # the servers were asked into a join or a transfer
+        self.exited: list[str] = []  # servers asked to exit after one was cut short
 
     # ------------------------------------------------------------------ HTTP
     async def _call(self, url: str, method: str, path: str, body: dict[str, Any] | None = None,
@@ -275,8 +282,14 @@ class NCCLWeightSync:
     # ------------------------------------------------------------------ API
     async def init(self) -> int:
         """Form the NCCL group (trainer = rank 0); returns its world size. Returns or
-        raises within ``timeout_s``."""
-        return await self._bounded("joining the weight-transfer group", self._init())
+        raises within ``timeout_s``; a join cut short with the servers in it asks them
+        to exit (module doc, invariant 4)."""
+        try:
+            return await self._bounded("joining the weight-transfer group", self._init())
+        except BaseException:
+            if self.in_collective:
+                await self._exit_servers("the join was cut short")
+            raise
 
     async def _init(self) -> int:
         if self._binding is not None:  # before any server is asked to join (module doc)
@@ -300,9 +313,11 @@ class NCCLWeightSync:
         if self.device is None:
             import torch
             self.device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.in_collective = True
         self.group = await self._with_nccl(_in_daemon_thread(self._join, rdv),
                                            lambda: self._all("/init_weight_transfer_engine",
                                                              bodies))
+        self.in_collective = False
         self.broken = None
         return self.world_size
 
@@ -322,16 +337,21 @@ class NCCLWeightSync:
             failed = True
             raise
         finally:
-            await self._resume_all(raise_errors=not failed)
+            if failed and self.in_collective:  # workers may be stuck in NCCL for good
+                await self._exit_servers(f"the push of v{version} was cut short")
+            else:
+                await self._resume_all(raise_errors=not failed)
         return time.perf_counter() - t0
 
     async def _push(self, pairs: Pairs, info: dict[str, list[Any]], version: int) -> None:
         await self._all("/pause", params={"mode": "keep",
                                           "clear_cache": str(self.clear_cache).lower()})
         await self._all("/start_weight_update")
+        self.in_collective = True
         await self._with_nccl(_in_daemon_thread(self._broadcast, pairs),
                               lambda: self._all("/update_weights", [{"update_info": info}]
                                                 * len(self.servers)))
+        self.in_collective = False
         await self._all("/finish_weight_update",
                         [{"weight_version": str(version)}] * len(self.servers))
         resets = await self._all("/reset_prefix_cache")
@@ -352,6 +372,23 @@ class NCCLWeightSync:
             log.error("resume failed: %s", e)
         if errors and raise_errors:
             raise errors[0]
+
+    async def _exit_servers(self, why: str) -> None:
+        """Ask every server to exit (module doc, invariant 4); never raises. The sync
+        stays broken: the rest of the run's versions go through the file store."""
+        self.broken = self.broken or why
+        log.error("%s: the servers' workers may be blocked in NCCL for good; asking %s to "
+                  "exit (whatever started them starts them again)", why, self.servers)
+        out = await asyncio.gather(*(self._call(u, "POST", EXIT_PATH,
+                                                timeout=self.resume_timeout)
+                                     for u in self.servers), return_exceptions=True)
+        for url, r in zip(self.servers, out, strict=True):
+            if isinstance(r, BaseException):
+                log.error("%s could not be asked to exit (%s): restart it by hand, it "
+                          "will not generate again", url, r)
+            else:
+                self.exited.append(url)
+        self.in_collective = False
 
     async def close(self) -> None:
         """Drop the trainer's communicator and a session this object created."""
@@ -389,71 +426,3 @@ class NCCLWeightSync:
                                        buffer_size_bytes=self.buffer_bytes,
                                        num_buffers=self.num_buffers)
         torch.cuda.current_stream().synchronize()
-
-
-
-class NCCLTransport(WeightTransport):
-    """Push each version to the vLLM servers over NCCL, then publish it with ``fallback``
-    (whose store generators verify and reload from). `start` joins the group.
-
-    Invariants: `start` and `publish` never raise for an NCCL failure or timeout (the
-    sync bounds them, module docstring); every version is in the store and announced
-    whatever happened to its push; ``fallbacks`` counts the versions published without
-    a completed push (also ``stats["weight_fallbacks"]``, cumulative)."""
-
-    name = "nccl"
-    format = "safetensors"
-
-    def __init__(self, sync: NCCLWeightSync, fallback: FileTransport) -> None:
-        super().__init__(fallback.store)
-        self.sync, self.fallback = sync, fallback
-        self.fallbacks = 0
-        self._told_unusable = False
-
-    async def start(self) -> None:
-        """Join the servers' group. A join that fails or times out leaves the sync
-        broken: every version then goes through the file store (logged, counted). One
-        that cannot work as installed (`NCCLBindingError`) stops the trainer instead."""
-        try:
-            await self.sync.init()
-        except NCCLBindingError:
-            raise
-        except Exception as e:
-            self.sync.broken = self.sync.broken or f"joining the group failed: {e!r}"
-            log.error("NCCL weight-transfer group not formed (%s); every version goes "
-                      "through the file store", e)
-            self._told_unusable = True
-
-    async def close(self) -> None:
-        await self.sync.close()
-        await self.fallback.close()
-
-    async def publish(self, source: WeightSource, *, version: int,
-                      step: int) -> WeightsPublished:
-        stats: dict[str, float] = {}
-        pushed = False
-        if self.sync.group is not None and not self.sync.broken:
-            try:
-                state = self.fallback.serving_state(source)  # what the store gets
-                stats["nccl_pause_s"] = await self.sync.push(state, version)
-                pushed = True
-            except Exception as e:  # the store + announcement below still carry it
-                log.error("NCCL weight push of v%d failed, it goes through the file store: "
-                          "%s", version, e)
-                self._told_unusable = bool(self.sync.broken)
-        elif not self._told_unusable:
-            log.warning("NCCL weight sync unusable (%s): v%d and later versions go through "
-                        "the file store", self.sync.broken or "no group", version)
-            self._told_unusable = True
-        if not pushed:
-            self.fallbacks += 1
-        msg = await self.fallback.publish(source, version=version, step=step)
-        self.stats = {**self.fallback.stats, **stats, "weight_fallbacks": float(self.fallbacks)}
-        return msg
-
-    def write(self, source: WeightSource, *, version: int, step: int) -> WeightsPublished:
-        return self.fallback.write(source, version=version, step=step)
-
-    async def receive(self, msg: WeightsPublished) -> Path:
-        """The file store's side (a delta rebuilt there): servers that missed a push."""
-        return await self.fallback.receive(msg)

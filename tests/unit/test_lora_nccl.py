@@ -21,7 +21,8 @@ import torch
 from pipeline.config import ConfigError, load_config
 from pipeline.model import init_tiny_model, load_model, merged_state
 from pipeline.weights import MergedLoraTransport, make_transport
-from pipeline.weights.nccl import NCCLTransport, NCCLWeightSync, update_info
+from pipeline.weights.nccl import NCCLWeightSync, update_info
+from pipeline.weights.nccl_transport import NCCLTransport
 from tests.unit.test_export import LORA, lora_trained
 from tests.unit.test_vllm_nccl import Rendezvous, fake_servers
 

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.runtime import RoleFatal
 from pipeline.weights.file import FileTransport
-from pipeline.weights.nccl import NCCLTransport, NCCLWeightSync
+from pipeline.weights.nccl import NCCLWeightSync
 from pipeline.weights.nccl_binding import (
     VLLM_PIN,
     Binding,
@@ -24,6 +24,7 @@ from pipeline.weights.nccl_binding import (
     release,
     torch_pin,
 )
+from pipeline.weights.nccl_transport import NCCLTransport
 from tests.unit.test_vllm_nccl import VLLM_VERSION, Rendezvous, fake_servers
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -43,7 +43,7 @@ from pipeline.weights import (
     table_sha256,
 )
 from pipeline.weights.file import SINGLE_FILE, shard_name
-from pipeline.weights.nccl import NCCLTransport
+from pipeline.weights.nccl_transport import NCCLTransport
 
 torch.set_num_threads(1)
 

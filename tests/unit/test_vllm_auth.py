@@ -26,7 +26,7 @@ from pipeline.weights.nccl import NCCLWeightSync
 from sluice.vllm_launch import ServerSpec
 from tests.unit.test_vllm_failover import MODEL, PARAMS, FakeServer
 from workers.engines.vllm import VLLMEngine
-from workers.engines.vllm_guard import MIDDLEWARE, RequireKey
+from workers.engines.vllm_guard import EXIT_PATH, MIDDLEWARE, RequireKey
 from workers.teacher import VLLMTeacher
 
 KEY = "s3cret-key-for-tests"
@@ -132,7 +132,7 @@ def test_a_keyed_server_gets_the_key_in_its_environment_never_its_command_line()
     assert "--middleware" not in bare.command(8000) and "VLLM_API_KEY" not in bare.own_env("/c")
 
 
-def _asgi(guard: RequireKey, path: str, auth: str | None) -> int:
+def _asgi(guard: RequireKey, path: str, auth: str | None, method: str = "GET") -> int:
     """Status the guard answers for one HTTP request (200: passed to the app)."""
     sent: list[dict[str, Any]] = []
     headers = [(b"authorization", auth.encode())] if auth is not None else []
@@ -147,7 +147,8 @@ def _asgi(guard: RequireKey, path: str, auth: str | None) -> int:
         return {"type": "http.request", "body": b""}
 
     guard.app = app
-    asyncio.run(guard({"type": "http", "path": path, "headers": headers}, receive, send))
+    asyncio.run(guard({"type": "http", "path": path, "headers": headers, "method": method},
+                      receive, send))
     return int(sent[0]["status"])
 
 
@@ -164,6 +165,22 @@ def test_the_guard_wants_the_key_on_every_path_but_health(
         assert _asgi(guard, path, f"Basic {KEY}") == 401
         assert _asgi(guard, path, f"Bearer {KEY}") == 200
     assert _asgi(guard, "/health", None) == 200
+
+
+def test_only_a_keyed_post_makes_the_server_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``POST /sluice/exit`` with the key: answered 202, then the server's exit hook runs
+    (a real server: SIGTERM to itself, tests/vllm/test_tied.py); without the key, or as a
+    GET, it never runs."""
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    exits: list[int] = []
+    guard = RequireKey(lambda *a: None, on_exit=lambda: exits.append(1))  # type: ignore
+    assert _asgi(guard, EXIT_PATH, None, "POST") == 401
+    assert _asgi(guard, EXIT_PATH, "Bearer wrong", "POST") == 401
+    assert exits == []
+    assert _asgi(guard, EXIT_PATH, f"Bearer {KEY}", "GET") == 200  # vLLM's own 404 then
+    assert exits == []
+    assert _asgi(guard, EXIT_PATH, f"Bearer {KEY}", "POST") == 202
+    assert exits == [1]
 
 
 def test_a_keyed_server_can_import_the_guard_from_its_own_folder(tmp_path: Path) -> None:

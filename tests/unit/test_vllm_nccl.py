@@ -25,7 +25,7 @@ import torch
 from aiohttp import web
 
 from pipeline.ports import free_port
-from pipeline.weights.nccl import NCCLWeightSync, WeightSyncError, update_info
+from pipeline.weights.nccl import EXIT_PATH, NCCLWeightSync, WeightSyncError, update_info
 from pipeline.weights.nccl_binding import Binding
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,7 +143,10 @@ def test_push_order_bodies_and_concurrent_broadcast() -> None:
     asyncio.run(main())
 
 
-def test_a_failed_update_still_resumes_every_server_and_raises() -> None:
+def test_a_transfer_cut_short_asks_every_server_to_exit_instead_of_resuming() -> None:
+    """Server 1 refuses /update_weights while server 0's workers are in the collective
+    with the trainer: server 0 would wait in NCCL for good, so neither is resumed; both
+    are asked to exit (`workers.engines.vllm_guard`), and the error is raised."""
     async def main() -> None:
         rdv = Rendezvous()
         async with fake_servers(2, rdv, fail={(1, "/update_weights"): 500}) as (urls, log):
@@ -160,8 +163,9 @@ def test_a_failed_update_still_resumes_every_server_and_raises() -> None:
             await sync.close()
         paths = [p for _, p, _, _ in log]
         assert "/finish_weight_update" not in paths and "/reset_prefix_cache" not in paths
-        assert sorted(s for s, p, _, _ in log if p == "/resume") == [0, 1]
-        assert paths[-2:] == ["/resume", "/resume"]
+        assert "/resume" not in paths
+        assert sorted(s for s, p, _, _ in log if p == EXIT_PATH) == [0, 1]
+        assert paths[-2:] == [EXIT_PATH, EXIT_PATH] and sync.exited == urls
         assert log[0][2] == {"mode": "keep", "clear_cache": "false"}
 
     asyncio.run(main())
@@ -399,7 +403,7 @@ def _small_state() -> dict[str, torch.Tensor]:
 
 def _transport(sync: NCCLWeightSync, root: Path) -> Any:
     from pipeline.weights.file import FileTransport
-    from pipeline.weights.nccl import NCCLTransport
+    from pipeline.weights.nccl_transport import NCCLTransport
 
     return NCCLTransport(sync, FileTransport(root))
 
@@ -431,9 +435,11 @@ def test_a_broadcast_that_never_completes_falls_back_to_the_files(tmp_path: Path
                 loaded = t.fallback.load(msg)
                 assert all(torch.equal(loaded[k], v) for k, v in _small_state().items())
                 assert t.fallbacks == 1 and t.stats["weight_fallbacks"] == 1
-                # every server was resumed; the version label was never set by the push
+                # the servers were in the transfer: asked to exit, not resumed; the version
+                # label was never set by the push
                 paths = [p for _, p, _, _ in log]
-                assert paths.count("/resume") == 2 and "/finish_weight_update" not in paths
+                assert paths.count(EXIT_PATH) == 2 and "/resume" not in paths
+                assert "/finish_weight_update" not in paths
                 # the group is unusable now: the next version goes through the files at once
                 t0 = time.monotonic()
                 msg2 = await t.publish(_small_state(), version=2, step=2)
@@ -478,6 +484,12 @@ def test_servers_that_never_answer_time_out_at_start_and_the_run_goes_on(
                 stuck.release()
 
     asyncio.run(main())
+
+
+def test_the_exit_path_is_the_guards() -> None:
+    from workers.engines import vllm_guard
+
+    assert EXIT_PATH == vllm_guard.EXIT_PATH
 
 
 def test_the_timeout_defaults_agree_with_the_config() -> None:

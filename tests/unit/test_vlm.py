@@ -26,7 +26,8 @@ from pipeline.config import ConfigError, load_config
 from pipeline.model import VOCAB_SIZE, build_char_tokenizer, init_tiny_model, load_model
 from pipeline.vlm import VISION_TOKENS, check_model, frozen_keys
 from pipeline.weights import FileTransport, read_full
-from pipeline.weights.nccl import NCCLTransport, update_info
+from pipeline.weights.nccl import update_info
+from pipeline.weights.nccl_transport import NCCLTransport
 from pipeline.weights.shards import sharded_files
 from trainer import setup
 from trainer.batch import build_batch

@@ -1,9 +1,12 @@
-"""A vLLM server killed under a running generator: detected, recovered, nothing lost.
+"""A vLLM server gone under a running generator: detected, recovered, nothing lost.
 
 A real generator process drives the session's real server, with a real Redis. Weights
-v1 (``model_b``) are announced before it starts, so it swaps them in at once. The
-server is killed with SIGKILL while groups are in flight and started again on the same
-port (it comes back with ``model_a`` and no version label). Then:
+v1 (``model_b``) are announced before it starts, so it swaps them in at once. While
+groups are in flight the server is asked to exit (``POST /sluice/exit``, what the
+trainer does when a weight push is cut short with the server's workers in it:
+`workers.engines.vllm_guard`); every process of its group ends within 30 s, and it is
+started again on the same port (as `sluice up`'s `sluice.server_watch` does; it comes
+back with ``model_a`` and no version label). Then:
 
 - the generator's heartbeat reported itself unhealthy while the server was gone;
 - the engine gave the returning server v1 again before using it (every token of every
@@ -35,6 +38,7 @@ from sluice.embedded import EmbeddedRedis
 from tests.helpers import run_header, spawn_role, wait_for, write_config
 from tests.vllm.conftest import VLLMServer
 from workers.engines.vllm import VLLMEngine
+from workers.engines.vllm_guard import EXIT_PATH
 
 WINDOW = 96
 N = 8
@@ -105,8 +109,14 @@ admission_window = {WINDOW}
         assert label == "1", label
         assert vllm_server.local.proc is not None
         old_group = vllm_server.local.proc.pid
-        vllm_server.local.kill()
+        ask = urllib.request.Request(vllm_server.url + EXIT_PATH, method="POST",
+                                     headers=auth_headers(vllm_api_key()))
+        with urllib.request.urlopen(ask, timeout=10) as answer:
+            assert answer.status == 202
+        proc = vllm_server.local.proc
+        wait_for(lambda: proc.poll() is not None, 60, "the server to exit")  # and reaped
         wait_for(lambda: not _group_alive(old_group), 30, "the server's processes to end")
+        vllm_server.local.stop(grace_s=0)  # reap it (what the watch does before a start)
         wait_for(lambda: beat().get("healthy") is False, 30, "the generator to report unhealthy")
         assert r.xlen(keys.rollouts) < WINDOW, "all groups finished before the kill"
         vllm_server.local.start().wait_ready(300)

@@ -10,6 +10,15 @@ routes sluice needs (``/pause``, ``/resume``, ``/collective_rpc``,
 changes nothing). Without a key in the environment the server refuses to start rather
 than run open.
 
+It also answers ``POST /sluice/exit`` (keyed, like every path but ``/health``): the
+server ends itself (SIGTERM to its own process, as a process manager would send; if
+vLLM's shutdown has not ended the process ``EXIT_GRACE_S`` later, it exits at once).
+WHY: a weight push that fails mid-collective leaves the server's workers blocked in NCCL
+for good (no timeout, no abort from outside); its engine never generates again, while
+``/health`` still answers. The trainer asks such servers to exit
+(`pipeline.weights.nccl`), and whatever started them starts them again: `sluice up`'s
+watch over the servers it launched, a Kubernetes container's restart policy.
+
 It runs in the server's environment (``.venv-vllm``), so it imports only the standard
 library. `sluice.vllm_launch` adds it to every server started with a key.
 """
@@ -20,6 +29,8 @@ import hashlib
 import hmac
 import json
 import os
+import signal
+import threading
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -31,6 +42,20 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MIDDLEWARE = "workers.engines.vllm_guard.RequireKey"  # the --middleware import path
 OPEN_PATHS = frozenset({"/health"})
+EXIT_PATH = "/sluice/exit"  # POST, keyed: the server ends itself (module doc)
+EXIT_GRACE_S = 30.0  # vLLM's own shutdown gets this long before the process exits at once
+
+
+def exit_server(grace_s: float = EXIT_GRACE_S) -> None:
+    """SIGTERM this process (vLLM shuts down its engine and workers), and ``os._exit``
+    from a daemon thread if the process still runs ``grace_s`` later (a shutdown that
+    waits on a worker stuck in a collective would never end)."""
+    def hard_exit() -> None:
+        threading.Event().wait(grace_s)
+        os._exit(75)  # EX_TEMPFAIL: started again by whoever started it
+
+    threading.Thread(target=hard_exit, name="sluice-exit", daemon=True).start()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _digest(key: str) -> bytes:
@@ -40,13 +65,14 @@ def _digest(key: str) -> bytes:
 class RequireKey:
     """Pass a request on only when it carries the key (or is ``/health``)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, on_exit: Callable[[], None] = exit_server) -> None:
         key = os.environ.get("VLLM_API_KEY", "")
         if not key:
             raise RuntimeError(f"{MIDDLEWARE}: VLLM_API_KEY is not set; refusing to serve "
                                "dev-mode routes without a key")
         self.app = app
         self.digest = _digest(key)
+        self.on_exit = on_exit
 
     def authorized(self, scope: Scope) -> bool:
         """Constant-time comparison of the bearer token with the key."""
@@ -62,15 +88,24 @@ class RequireKey:
             await self.app(scope, receive, send)
             return
         path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if (path == EXIT_PATH and scope["type"] == "http" and scope.get("method") == "POST"
+                and self.authorized(scope)):
+            await _json(send, 202, {"exiting": True})
+            self.on_exit()  # after the answer is sent: the caller knows it was heard
+            return
         if path in OPEN_PATHS or self.authorized(scope):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps({"error": "Unauthorized"}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        await _json(send, 401, {"error": "Unauthorized"}, [(b"www-authenticate", b"Bearer")])
+
+
+async def _json(send: Send, status: int, obj: Any,
+                headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(obj).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
