@@ -112,7 +112,8 @@ class TrainerConfig(_Section):
     None = trainer/perf.py's table for known GPUs, none on the CPU (no MFU reported)."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA if available, else CPU), `cpu`, `cuda` or `cuda:N`. Under torchrun
-    `auto`/`cuda` take ``cuda:LOCAL_RANK``. Asking for CUDA without it fails at start."""
+    `auto`/`cuda` take ``cuda:LOCAL_RANK``; `cuda:N` is refused with several ranks (every
+    rank would run on GPU N). Asking for CUDA without it fails at start."""
     fp32_master: bool = True
     """Keep float32 parameters and AdamW state and compute in ``model.dtype`` under
     autocast (mixed precision). False: parameters and optimizer state in model.dtype."""
