@@ -144,9 +144,10 @@ class TrainerConfig(_Section):
     applied to hidden states of completion positions only, in chunks of this many, each
     recomputed in backward): peak logit memory is O(chunk * vocab)."""
     fp32_lm_head: bool = True
-    """Apply the LM head in float32 under bf16/fp16 autocast, so the logprobs the
-    importance ratio compares with the sampler's are not rounded to bf16 (±0.06 at
-    logits near 30). Costs a float32 matmul per chunk; no effect in float32."""
+    """Apply the LM head in float32 under bf16/fp16 autocast, so the trainer's logprobs
+    are not rounded to bf16 (±0.06 at logits near 30); vLLM's sampler still computes its
+    logprobs from bf16 logits unless its head runs in float32 too (docs/gpu.md). Costs a
+    float32 matmul per chunk (TF32 on CUDA); no effect in float32."""
     lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
     """Learning-rate schedule (transformers.get_scheduler) over ``max_steps``."""
     warmup_steps: int = Field(0, ge=0)
