@@ -5,7 +5,8 @@ generator, evaluator) before anything is loaded, so a config asking for CUDA on 
 without it fails at start with the key named, not later inside a forward.
 
 Under torchrun (``LOCAL_RANK`` set) `auto` and a bare `cuda` mean ``cuda:LOCAL_RANK``: each
-rank drives its own GPU. An explicit ``cuda:N`` is taken as written.
+rank drives its own GPU. An explicit ``cuda:N`` is taken as written by one process, and
+refused in a job of several (``WORLD_SIZE`` > 1): every rank would take GPU N.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def resolve_device(spec: str, key: str) -> torch.device:
     if not has_cuda:
         raise ConfigError(f"{key}: {spec!r} asked for, but torch {torch.__version__} sees no "
                           "CUDA device on this machine; use 'cpu' or 'auto'")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if ":" in spec and world > 1:
+        raise ConfigError(f"{key}: {spec!r} names one GPU, but this is rank {local_rank()} of "
+                          f"a job of {world}: every rank would run on it. A multi-rank job "
+                          "takes each rank's GPU from LOCAL_RANK: use 'cuda' or 'auto'")
     index = int(spec.split(":", 1)[1]) if ":" in spec else local_rank()
     if index >= torch.cuda.device_count():
         raise ConfigError(f"{key}: {spec!r} (device {index}) asked for, but this machine has "

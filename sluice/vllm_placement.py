@@ -10,8 +10,15 @@ Placement (`plan_servers`, a pure function; `server_plan` feeds it this machine)
 - A GPU machine: a server gets one entry of the GPUs this process sees: the parent's
   ``CUDA_VISIBLE_DEVICES`` list when it is set (a Slurm or Kubernetes allocation), so
   a server never escapes the allocation, else every GPU (`visible_devices`).
-- ``weight_transfer = "file"``: server i gets GPU i mod n (round robin over all of them,
-  the trainer's included).
+- ``weight_transfer = "file"``: servers go round robin over the GPUs the trainer does not
+  use (`trainer_gpu_indices`), and share the trainer's only on a machine with no other
+  (server 0 used to land on the trainer's GPU 0 while others stayed idle).
+- Memory: a server's --gpu-memory-utilization is its GPU's budget over the servers on
+  it. The budget is ``gpu_memory_utilization``, or `DEFAULT_GPU_UTILIZATION` when that
+  is 0 (0 meant ``kv_cache_memory_bytes``, the CPU setting: 64 MiB of KV cache on a GPU,
+  too small for a long ``max_model_len``); on a GPU the trainer shares, less
+  ``trainer_gpu_fraction``, the trainer's share (refused naming both keys when nothing
+  is left).
 - ``weight_transfer = "nccl"``: the trainer (rank 0, cuda:0 of its ranks' GPUs) and every
   generator server join one NCCL group, and NCCL refuses two ranks on one GPU ("Duplicate
   GPU detected"). So the generators' servers each get a GPU of their own, none of the
@@ -55,6 +62,8 @@ def split_servers(urls: list[str], generators: int) -> list[list[str]]:
 
 
 NCCL_ARGS = ["--weight-transfer-config", '{"backend": "nccl"}']
+DEFAULT_GPU_UTILIZATION = 0.9
+"""The servers' share of a GPU when ``gpu_memory_utilization`` is 0 (vLLM's own default)."""
 
 
 def launches_eval_server(cfg: Config) -> bool:
@@ -72,9 +81,10 @@ class Placement:
     ``device``: the server's ``CUDA_VISIBLE_DEVICES``, one entry of the parent's visible
     list (None on a CPU machine). ``after``: the index (launch order) of the server that
     must answer /health before this one starts, always an earlier one on the same GPU
-    (None: it starts at once). ``memory_utilization``: its --gpu-memory-utilization, the
-    configured fraction over the number of servers on its GPU (0 stays 0: the servers
-    then size their KV cache by ``kv_cache_memory_bytes``)."""
+    (None: it starts at once). ``memory_utilization``: its --gpu-memory-utilization, its
+    GPU's budget over the number of servers on it (module docstring); on a CPU machine
+    the configured value (0: the servers size their KV cache by
+    ``kv_cache_memory_bytes``)."""
 
     device: str | None
     after: int | None
@@ -113,13 +123,17 @@ def trainer_gpu_indices(device: str, ranks: int, gpus: int) -> list[int]:
 
 def plan_servers(generator_servers: int, eval_servers: int, visible: Sequence[str],
                  trainer_gpus: Sequence[int], *, nccl: bool,
-                 memory_utilization: float) -> list[Placement]:
+                 memory_utilization: float, trainer_fraction: float = 0.5
+                 ) -> list[Placement]:
     """One `Placement` per server, the generators' first (module docstring: the rules).
 
     Invariants: with ``nccl`` no generator server shares a GPU with the trainer or with
     another generator server; every ``after`` names an earlier server on the same GPU
-    and each GPU's servers form one chain; on each GPU the servers' fractions sum to
-    ``memory_utilization``. Raises `ConfigError` when ``nccl`` cannot get that."""
+    and each GPU's servers form one chain; servers use a trainer's GPU only when every
+    visible GPU is the trainer's; on each GPU the servers' fractions sum to its budget
+    (``memory_utilization`` or `DEFAULT_GPU_UTILIZATION`, less ``trainer_fraction`` on
+    the trainer's). Raises `ConfigError` when ``nccl`` cannot get that or a trainer's GPU
+    leaves the servers nothing."""
     total = generator_servers + eval_servers
     if not visible:
         if nccl:
@@ -147,12 +161,23 @@ def plan_servers(generator_servers: int, eval_servers: int, visible: Sequence[st
                 'up.trainer_ranks, run on more GPUs, or use weight_transfer = "file"')
         gpus = [pool[i % len(pool)] for i in range(total)]
     else:
-        gpus = [i % len(visible) for i in range(total)]
+        free = [i for i in range(len(visible)) if i not in set(trainer_gpus)]
+        pool = free or list(range(len(visible)))
+        gpus = [pool[i % len(pool)] for i in range(total)]
+    budget = memory_utilization or DEFAULT_GPU_UTILIZATION
+    shared = budget - trainer_fraction
+    if set(gpus) & set(trainer_gpus) and shared < 0.05:
+        raise ConfigError(
+            f"generation.vllm.gpu_memory_utilization: vLLM servers share the trainer's GPU "
+            f"(no other is free), and {budget:g} of it less the trainer's "
+            f"generation.vllm.trainer_gpu_fraction = {trainer_fraction:g} leaves them "
+            f"{max(shared, 0):.2g}; raise the first or lower the second")
     sharing = Counter(gpus)
     last: dict[int, int] = {}
     plan: list[Placement] = []
     for i, g in enumerate(gpus):
-        plan.append(Placement(visible[g], last.get(g), memory_utilization / sharing[g]))
+        mine = shared if g in set(trainer_gpus) else budget
+        plan.append(Placement(visible[g], last.get(g), mine / sharing[g]))
         last[g] = i
     return plan
 
@@ -165,7 +190,8 @@ def server_plan(cfg: Config) -> list[Placement]:
                         trainer_gpu_indices(cfg.trainer.device, cfg.up.trainer_ranks,
                                             len(visible)),
                         nccl=v.weight_transfer == "nccl",
-                        memory_utilization=v.gpu_memory_utilization)
+                        memory_utilization=v.gpu_memory_utilization,
+                        trainer_fraction=v.trainer_gpu_fraction)
 
 
 def vllm_specs(cfg: Config) -> list[ServerSpec]:

@@ -14,7 +14,9 @@ intent line in the ledger first (`pipeline.bus.ledger`):
   entries behind (`Reader.hold_for_archive`);
 - in a step whose loss or gradient norm was not finite → ``dlq`` with that reason;
 - in a step that raised: a group that raises on its own → ``dlq`` with the error; if none
-  does, all are re-read (and reach ``dlq`` past ``max_deliveries`` if it keeps failing).
+  does, all are re-read (and reach ``dlq`` past ``max_deliveries`` if it keeps failing);
+  a step that ran out of GPU memory or hit a sticky CUDA error charges none of them: the
+  trainer stops (`trainer.gpu_errors`) and they stay pending.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pipeline.bus.replies import Entry
 from pipeline.bus.schema import Limits, ScoredGroup
 from pipeline.config import Config
 from pipeline.metrics import RoleMetrics
+from trainer.gpu_errors import device_fatal
 
 log = logging.getLogger("sluice.trainer")
 
@@ -212,7 +215,15 @@ class Reader:
         error at once and the others stay buffered for the next step. If none does (the
         batch as a whole fails), every group is re-read from the pending list: their
         delivery counts rise and `accept` dead-letters them past ``max_deliveries``.
-        Returns what stays buffered."""
+        Returns what stays buffered.
+
+        A device failure (out of memory, a sticky CUDA error: `trainer.gpu_errors`) is
+        never the groups' fault: it raises `pipeline.runtime.RoleFatal` before any group
+        is dead-lettered or re-read (the caller checks first, so that no culprit search
+        runs on a broken device; this is the same rule kept where the groups are charged)."""
+        fatal = device_fatal(err, step)
+        if fatal is not None:
+            raise fatal from err
         self.counts["failed_steps"] += 1
         gids = [sg.group.group_id for _, sg in buf]
         if culprits:

@@ -85,9 +85,44 @@ def frozen_part(cfg: Config, model: nn.Module) -> frozenset[str]:
     return keys
 
 
+def head_matmul_precision(device: torch.device, model_dtype: torch.dtype,
+                          fp32_head: bool) -> str | None:
+    """The float32 matmul precision the trainer sets for its process, or None to leave
+    torch's default (``highest``: plain IEEE float32).
+
+    "high" (TF32 on NVIDIA tensor cores) on CUDA when the LM head runs in float32 amid a
+    bf16/fp16 model: the head is then the only float32 matmul of the step (autocast runs
+    the rest in the low dtype), and TF32 (10-bit mantissa inputs, float32 accumulation)
+    keeps its logits far closer than bf16 logits (8-bit) at tensor-core speed. A float32
+    model asked for float32 everywhere, so it keeps "highest"; the CPU has no TF32.
+
+    Set through ``torch.set_float32_matmul_precision`` (torch's older API), not
+    ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` (its newer one): in torch 2.13
+    setting only the newer one makes every later read through the older one raise
+    ("you have used mix of the legacy and new APIs"), and torch's own inductor
+    (``torch.compile``, flex attention) reads ``get_float32_matmul_precision``; the
+    older setter updates both, so either reader sees "tf32"/"high". ``allow_tf32``
+    carries no deprecation warning in 2.13 but is the legacy flag too."""
+    if device.type == "cuda" and fp32_head and model_dtype != torch.float32:
+        return "high"
+    return None
+
+
+def set_head_matmul_precision(device: torch.device, model_dtype: torch.dtype,
+                              fp32_head: bool) -> None:
+    """Apply `head_matmul_precision` (process-wide: torch has no per-matmul switch, and
+    the head's backward runs on autograd's own thread)."""
+    precision = head_matmul_precision(device, model_dtype, fp32_head)
+    if precision is not None:
+        torch.set_float32_matmul_precision(precision)
+        log.info("float32 matmuls (the float32 LM head) run in TF32 on %s "
+                 "(torch.set_float32_matmul_precision(%r))", device, precision)
+
+
 def build(cfg: Config, ranks: Ranks | None = None) -> TrainSetup:
     train_cfg = cfg.trainer
     device = resolve_device(train_cfg.device, "trainer.device")
+    set_head_matmul_precision(device, torch_dtype(cfg.model.dtype), train_cfg.fp32_lm_head)
     ranks = ranks or Ranks.from_env(device, timeout_s=1800)
     ranks.check_config(cfg)
     if ranks.distributed and cfg.model.lora is not None:

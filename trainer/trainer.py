@@ -29,7 +29,10 @@ A step whose loss or gradient norm is not finite is skipped (counted ``skipped_s
 logged, never published) and its groups are dead-lettered with the reason. A step that
 raises (one process) is logged and its groups are re-read from the pending list, so a
 group that keeps failing reaches ``dlq`` after ``max_deliveries``; in a multi-rank job
-the exception takes the job down (torchrun semantics) and the restart re-reads them.
+the exception takes the job down (torchrun semantics) and the restart re-reads them. A
+step that ran out of GPU memory or hit a sticky CUDA error charges no group: the trainer
+stops with `pipeline.runtime.RoleFatal` (exit `FATAL_EXIT_CODE`), saying what to change
+(`trainer.gpu_errors`), since a replay would fail the same way.
 
 LoRA runs (``[model.lora]``): the policy is the frozen base wrapped with a peft adapter;
 only the adapter trains, every version is published as an adapter, checkpoints hold the
@@ -77,6 +80,7 @@ from trainer.distributed import (
     full_state,
 )
 from trainer.fenced import arm, lost
+from trainer.gpu_errors import device_fatal
 from trainer.lock import TrainerLock, TrainerLockLost
 from trainer.perf import ModelShape, device_peak_flops, step_flops
 from trainer.reader import Reader, is_stale
@@ -405,6 +409,10 @@ class Trainer:
             except StaleSampleError:
                 raise
             except Exception as e:
+                fatal = device_fatal(e, step)  # the device's failure: charge no group
+                if fatal is not None:
+                    log.error("%s", fatal)
+                    raise fatal from e
                 if self.ranks.distributed:
                     raise  # the job goes down; the restart re-reads (torchrun semantics)
                 buf = await self.reader.step_failed(

@@ -17,8 +17,9 @@ class VLLMConfig(_Section):
     when `launch` > 0."""
     launch: int = Field(0, ge=0, le=64)
     """`sluice up` starts this many local vLLM servers and stops them on exit; 0 = use
-    `urls`. Server i binds CPU core i on a CPU machine; on a GPU machine it gets GPU i mod
-    n of the GPUs `sluice up` sees (its CUDA_VISIBLE_DEVICES list when set), with `nccl`
+    `urls`. Server i binds CPU core i on a CPU machine; on a GPU machine servers go round
+    robin over the GPUs `sluice up` sees (its CUDA_VISIBLE_DEVICES list when set) that the
+    trainer does not use, the trainer's only when no other is, and with `nccl` each gets
     one of its own that the trainer does not use (docs/vllm.md). Servers sharing a GPU
     start one after another."""
     python: str = ".venv-vllm/bin/python"
@@ -29,11 +30,17 @@ class VLLMConfig(_Section):
     max_model_len: int = Field(512, ge=16)
     """--max-model-len of launched servers (prompt + completion tokens)."""
     kv_cache_memory_bytes: int = Field(64 * 2**20, ge=2**20)
-    """--kv-cache-memory-bytes of launched servers."""
+    """--kv-cache-memory-bytes of launched servers on the CPU (a GPU server sizes its KV
+    cache by gpu_memory_utilization)."""
     gpu_memory_utilization: float = Field(0.0, ge=0, le=1)
     """On a GPU: the fraction of each GPU's memory its launched servers use together;
     servers sharing a GPU split it equally (--gpu-memory-utilization = this / servers on
-    that GPU). 0 = use kv_cache_memory_bytes, the CPU setting."""
+    that GPU), less trainer_gpu_fraction on a GPU they share with the trainer. 0 = 0.9 on
+    a GPU; kv_cache_memory_bytes on the CPU."""
+    trainer_gpu_fraction: float = Field(0.5, gt=0, lt=1)
+    """`file` transfer with no GPU free of the trainer: the fraction of the trainer's GPU
+    left to the trainer; the servers placed there split gpu_memory_utilization (0: 0.9)
+    less this. A start that would leave them under 0.05 is refused."""
     api_server_count: int = Field(1, ge=1, le=64)
     """--api-server-count of launched servers: HTTP front-end processes per server, in
     front of one engine (vLLM's `serve` entry). Serialising top logprobs

@@ -161,6 +161,18 @@ def adapter_sync_has_one_front_end(cfg: Config) -> None:
                          "model.lora.sync = \"merged\" (servers then take full weights)")
 
 
+def ranks_take_their_gpu_from_local_rank(cfg: Config) -> None:
+    """A trainer job of several ranks gives each rank ``cuda:LOCAL_RANK``; an explicit
+    ``cuda:N`` would put every rank on GPU N (FSDP2 over one device, and NCCL refuses
+    two ranks of one group on one GPU), so it is refused rather than guessed at."""
+    if cfg.up.trainer_ranks > 1 and cfg.trainer.device.startswith("cuda:"):
+        raise ValueError(
+            f"trainer.device: {cfg.trainer.device!r} names one GPU, but up.trainer_ranks = "
+            f"{cfg.up.trainer_ranks} ranks would all run on it; a multi-rank job takes each "
+            "rank's GPU from LOCAL_RANK: use \"cuda\" or \"auto\" (limit the GPUs with "
+            "CUDA_VISIBLE_DEVICES)")
+
+
 def score_centering_on(cfg: Config) -> bool:
     """Whether the trainer centres the score: asked for, or (None) wherever the sampler
     reports top logprobs and the loss is token-level."""
@@ -184,6 +196,7 @@ CROSS_SECTION_RULES: tuple[Callable[[Config], None], ...] = (
     score_centering_has_top_logprobs,
     vllm_truncation_has_sets,
     adapter_sync_has_one_front_end,
+    ranks_take_their_gpu_from_local_rank,
 )
 """Checked in this order after every section validated itself; the first that fails is
 the error (so a config breaking two rules names the earlier one)."""

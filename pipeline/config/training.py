@@ -112,7 +112,8 @@ class TrainerConfig(_Section):
     None = trainer/perf.py's table for known GPUs, none on the CPU (no MFU reported)."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA if available, else CPU), `cpu`, `cuda` or `cuda:N`. Under torchrun
-    `auto`/`cuda` take ``cuda:LOCAL_RANK``. Asking for CUDA without it fails at start."""
+    `auto`/`cuda` take ``cuda:LOCAL_RANK``; `cuda:N` is refused with several ranks (every
+    rank would run on GPU N). Asking for CUDA without it fails at start."""
     fp32_master: bool = True
     """Keep float32 parameters and AdamW state and compute in ``model.dtype`` under
     autocast (mixed precision). False: parameters and optimizer state in model.dtype."""
@@ -143,9 +144,10 @@ class TrainerConfig(_Section):
     applied to hidden states of completion positions only, in chunks of this many, each
     recomputed in backward): peak logit memory is O(chunk * vocab)."""
     fp32_lm_head: bool = True
-    """Apply the LM head in float32 under bf16/fp16 autocast, so the logprobs the
-    importance ratio compares with the sampler's are not rounded to bf16 (±0.06 at
-    logits near 30). Costs a float32 matmul per chunk; no effect in float32."""
+    """Apply the LM head in float32 under bf16/fp16 autocast, so the trainer's logprobs
+    are not rounded to bf16 (±0.06 at logits near 30); vLLM's sampler still computes its
+    logprobs from bf16 logits unless its head runs in float32 too (docs/gpu.md). Costs a
+    float32 matmul per chunk (TF32 on CUDA); no effect in float32."""
     lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
     """Learning-rate schedule (transformers.get_scheduler) over ``max_steps``."""
     warmup_steps: int = Field(0, ge=0)

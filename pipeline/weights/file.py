@@ -10,7 +10,10 @@ shard of its own). A small model gets one shard, still behind an index.
 
 Each shard is serialised to bytes in memory (``safetensors.torch.save``), hashed and
 written (`WeightStore.commit`): the trainer never re-reads a file to hash it, and holds
-at most one shard's bytes (plus its CPU copy, for GPU tensors) at a time.
+at most one shard's bytes (plus its CPU copy, for GPU tensors) at a time. Tensors are
+cast to the serving dtype one at a time and moved to the CPU as they are cast
+(`FileTransport.serving_items`): the GPU holds one cast tensor beyond the live model,
+not a second copy of it in the serving dtype.
 
 Tied embeddings (``tie_word_embeddings``: ``lm_head.weight`` *is*
 ``model.embed_tokens.weight``): a tensor sharing storage with an earlier one is
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -41,13 +45,17 @@ from pipeline.weights.shards import (
     plan_shards,
     publishable,
     read_full,
+    serving_items,
+    serving_sizes,
     shard_name,
     sharded_files,
+    streamed_shards,
 )
 from pipeline.weights.store import WeightStore
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "SINGLE_FILE", "FileTransport", "aliases", "nbytes",
-           "plan_shards", "publishable", "read_full", "shard_name", "sharded_files"]
+           "plan_shards", "publishable", "read_full", "serving_items", "shard_name",
+           "sharded_files"]
 
 
 class FileTransport(WeightTransport):
@@ -82,23 +90,37 @@ class FileTransport(WeightTransport):
         if self.deltas is not None:
             msg = self.deltas.write(self.store, source, dtype=self.dtype, version=version,
                                     step=step, max_shard_bytes=self.max_shard_bytes)
-        else:
-            state = self.serving_state(source)
-            msg = self.store.commit(sharded_files(state, version=version,
-                                                  max_shard_bytes=self.max_shard_bytes),
-                                    fmt=self.format, version=version, step=step)
+        else:  # streamed: one cast tensor on the GPU at a time (`serving_items`)
+            src = self.serving_source(source)
+            msg = self.store.commit(streamed_shards(
+                serving_items(src, self.dtype), serving_sizes(src, self.dtype),
+                version=version, max_shard_bytes=self.max_shard_bytes),
+                fmt=self.format, version=version, step=step)
         self.stats = {"publish_s": time.perf_counter() - t0, "publish_bytes": msg.nbytes}
         if self.deltas is not None:
             self.stats["publish_delta"] = float(msg.format == DELTA_FORMAT)
         return msg
 
-    def serving_state(self, source: WeightSource) -> dict[str, torch.Tensor]:
+    def serving_source(self, source: WeightSource) -> WeightSource:
+        """What a full version of ``source`` is made of before the serving cast: the
+        source itself. Subclasses that publish something derived from it
+        (`MergedLoraTransport`: the merged adapter) override this alone, so `write`,
+        `serving_items` and `serving_state` all carry the same tensors."""
+        return source
+
+    def serving_items(self, source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors a full version of ``source`` holds, as engines load them (names,
-        shapes, serving dtype; `publishable`). One definition for everything that sends
-        full weights: `write` stores it, the `nccl` transport pushes it, so the push and
-        the store carry the same tensors. Subclasses that publish something derived from
-        the source (`MergedLoraTransport`: the merged adapter) override this alone."""
-        return publishable(source, self.dtype)
+        shapes, serving dtype), one at a time on the model's device (`serving_items` of
+        `pipeline.weights.shards`): a consumer that sends or moves each one and drops it
+        holds one cast tensor at a time. `write` streams these into shards; a push to the
+        engines (the `nccl` transport) should iterate them too rather than take
+        `serving_state`, so the push and the store carry the same tensors."""
+        return serving_items(self.serving_source(source), self.dtype)
+
+    def serving_state(self, source: WeightSource) -> dict[str, torch.Tensor]:
+        """`serving_items` all at once (every cast tensor alive together, on the model's
+        device: a second copy of the model in the serving dtype)."""
+        return dict(self.serving_items(source))
 
     async def receive(self, msg: WeightsPublished) -> Path:
         return await asyncio.to_thread(self.fetch, msg)

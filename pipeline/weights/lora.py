@@ -90,15 +90,16 @@ class MergedLoraTransport(FileTransport):
     untouched) and written as the `file` transport writes any full version, so every
     reader (a vLLM server without ``--enable-lora``, the in-process engine's plain model,
     `sluice export`) sees an ordinary ``safetensors`` version. The merge lives in
-    `serving_state` alone, so the `nccl` transport, which pushes its fallback's
+    `serving_source` alone, so the `nccl` transport, which pushes its fallback's
     `serving_state`, sends servers exactly the tensors this transport writes."""
 
-    def serving_state(self, source: WeightSource) -> dict[str, torch.Tensor]:
-        """The merged weights (base + peft delta) in the serving dtype, keyed as the plain
-        model. Raises `TypeError` for anything but a peft model."""
+    def serving_source(self, source: WeightSource) -> WeightSource:
+        """The merged weights (base + peft delta), keyed as the plain model; cast to the
+        serving dtype tensor by tensor as `FileTransport` streams them. Raises
+        `TypeError` for anything but a peft model."""
         from pipeline.model import is_peft, merged_state
 
         if not isinstance(source, torch.nn.Module) or not is_peft(source):
             raise TypeError(f"the merged LoRA transport publishes a peft model merged, "
                             f"got {type(source).__name__}")
-        return super().serving_state(merged_state(source))
+        return merged_state(source)

@@ -124,7 +124,7 @@ def test_a_batch_that_keeps_failing_reaches_dlq_after_max_deliveries(
         tiny_model_dir: Path) -> None:
     def fault(ids: torch.Tensor, out: torch.Tensor) -> None:
         if ids.shape[0] * ids.shape[1] > 60:  # the whole step fails, no group alone does
-            raise RuntimeError("out of memory (simulated)")
+            raise RuntimeError("the whole batch fails (simulated)")
 
     cfg = _cfg(redis_server, run_name, tmp_path, tiny_model_dir)
 

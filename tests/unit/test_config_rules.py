@@ -31,6 +31,8 @@ BROKEN = [  # (overrides, the start of the message: the dotted key to change)
      "generation.vllm.weight_transfer: nccl carries full weights, and model.lora.sync"),
     (["generation.vllm.api_server_count=2", "model.lora={sync='adapter'}"],
      "generation.vllm.api_server_count: vLLM loads LoRA adapters at run time only"),
+    (["trainer.device='cuda:1'", "up.trainer_ranks=2"],
+     "trainer.device: 'cuda:1' names one GPU, but up.trainer_ranks = 2 ranks"),
 ]
 
 
@@ -40,8 +42,8 @@ def test_each_rule_fails_naming_its_key(overrides: list[str], message: str) -> N
         load_config(None, overrides)
 
 
-def test_there_are_thirteen_rules_each_a_function_of_the_config() -> None:
-    assert len(CROSS_SECTION_RULES) == 13
+def test_there_are_fourteen_rules_each_a_function_of_the_config() -> None:
+    assert len(CROSS_SECTION_RULES) == 14
     cfg = load_config(None)
     assert all(rule(cfg) is None for rule in CROSS_SECTION_RULES)
 

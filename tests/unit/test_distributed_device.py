@@ -150,3 +150,38 @@ def test_a_one_rank_checkpoint_keeps_optimizer_state_on_the_cpu_and_resumes_anyw
                          for t in s.values() if isinstance(t, torch.Tensor))
     torch.testing.assert_close(fresh_opt.state_dict()["state"][0]["exp_avg"],
                                opt.state_dict()["state"][0]["exp_avg"])
+
+
+# ---------------------------------------------------------------- one GPU per rank
+
+
+def _gpus(monkeypatch: pytest.MonkeyPatch, count: int, world: int, rank: int) -> None:
+    """A machine with ``count`` CUDA devices, this process rank ``rank`` of ``world``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+
+
+def test_a_multi_rank_job_refuses_one_named_gpu_for_every_rank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cuda:N`` would put every rank on GPU N; each rank takes ``cuda:LOCAL_RANK``."""
+    from pipeline.config import ConfigError
+    from pipeline.devices import resolve_device
+
+    _gpus(monkeypatch, 4, world=2, rank=1)
+    with pytest.raises(ConfigError, match=r"trainer\.device.*'cuda:0'.*LOCAL_RANK"):
+        resolve_device("cuda:0", "trainer.device")
+    assert resolve_device("cuda", "trainer.device") == torch.device("cuda", 1)
+    assert resolve_device("auto", "trainer.device") == torch.device("cuda", 1)
+    _gpus(monkeypatch, 4, world=1, rank=0)  # one process: taken as written
+    assert resolve_device("cuda:3", "trainer.device") == torch.device("cuda", 3)
+
+
+def test_sluice_up_refuses_a_named_gpu_for_several_trainer_ranks() -> None:
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer\.device.*up\.trainer_ranks = 2"):
+        load_config(None, ['trainer.device="cuda:1"', "up.trainer_ranks=2"])
+    load_config(None, ['trainer.device="cuda"', "up.trainer_ranks=2"])
+    load_config(None, ['trainer.device="cuda:1"', "up.trainer_ranks=1"])

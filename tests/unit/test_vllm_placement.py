@@ -111,21 +111,49 @@ def test_nccl_on_a_cpu_machine_or_a_cpu_trainer_is_refused() -> None:
 # ---------------------------------------------------------------- file: shared GPUs
 
 
-def test_file_servers_go_round_robin_and_sharing_servers_start_in_turn() -> None:
-    plan = _plan(3, 0, ["0", "1"], [0], nccl=False)
-    assert [p.device for p in plan] == ["0", "1", "0"]
+def test_file_servers_go_round_robin_over_gpus_the_trainer_leaves_free() -> None:
+    # Was ["0", "1", "0"]: server 0 shared the trainer's GPU 0 while GPU 2 idled. Servers
+    # now take the GPUs the trainer does not use first, and share among those.
+    plan = _plan(3, 0, ["0", "1", "2"], [0], nccl=False)
+    assert [p.device for p in plan] == ["1", "2", "1"]
     assert [p.after for p in plan] == [None, None, 0]
     assert [p.memory_utilization for p in plan] == pytest.approx([0.45, 0.9, 0.45])
+    plan = _plan(3, 0, ["0", "1"], [0], nccl=False)  # one free GPU: all three on it
+    assert [p.device for p in plan] == ["1", "1", "1"]
+    assert [p.after for p in plan] == [None, 0, 1]
+    assert sum(p.memory_utilization for p in plan) == pytest.approx(0.9)
+    # a CPU trainer uses no GPU: every GPU is free
+    assert [p.device for p in _plan(2, 0, ["0", "1"], [], nccl=False)] == ["0", "1"]
 
 
-def test_servers_sharing_one_gpu_split_the_fraction_it_sums_to_the_configured_one() -> None:
+def test_servers_sharing_the_trainers_gpu_leave_it_the_trainers_share() -> None:
+    """Only when no GPU is free of the trainer; the servers there split the budget less
+    ``trainer_gpu_fraction`` (0.5 by default), so the trainer is not starved."""
     plan = _plan(2, 1, ["7"], [0], nccl=False, util=0.9)
     assert [p.device for p in plan] == ["7", "7", "7"]
     assert [p.after for p in plan] == [None, 0, 1]  # a chain: one profiles memory at a time
-    assert sum(p.memory_utilization for p in plan) == pytest.approx(0.9)
-    # kv_cache_memory_bytes instead of a fraction (0): nothing to split, still in turn
-    plan = _plan(2, 0, ["0"], [0], nccl=False, util=0.0)
-    assert [(p.after, p.memory_utilization) for p in plan] == [(None, 0.0), (0, 0.0)]
+    assert sum(p.memory_utilization for p in plan) == pytest.approx(0.9 - 0.5)
+    plan = plan_servers(1, 0, ["0"], [0], nccl=False, memory_utilization=0.9,
+                        trainer_fraction=0.3)
+    assert [p.memory_utilization for p in plan] == pytest.approx([0.6])
+    with pytest.raises(ConfigError, match=r"generation\.vllm\.gpu_memory_utilization.*"
+                                          r"generation\.vllm\.trainer_gpu_fraction"):
+        _plan(1, 0, ["0"], [0], nccl=False, util=0.5)
+
+
+def test_a_gpu_server_never_falls_back_to_the_cpus_64_mib_kv_cache() -> None:
+    """``gpu_memory_utilization`` 0 meant ``--kv-cache-memory-bytes`` 64 MiB on a GPU too,
+    which a 7B server refuses for a long max_model_len; on a GPU 0 is now vLLM's 0.9 (less
+    the trainer's share where it shares the GPU), on the CPU it stays the byte count."""
+    plan = _plan(2, 0, ["0", "1"], [0], nccl=False, util=0.0)
+    assert [(p.device, p.memory_utilization) for p in plan] == [("1", 0.45), ("1", 0.45)]
+    assert [p.memory_utilization for p in _plan(1, 0, ["0"], [0], nccl=False, util=0.0)] \
+        == pytest.approx([0.4])
+    assert _plan(1, 0, [], [], nccl=False, util=0.0) == [Placement(None, None, 0.0)]
+    cmd = ServerSpec(python="py", model="m", cpu_core=None, cuda_device="1",
+                     gpu_memory_utilization=plan[0].memory_utilization).command(1)
+    assert "--kv-cache-memory-bytes" not in cmd
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.45"
 
 
 def test_cpu_machine_servers_start_at_once_without_a_gpu() -> None:
@@ -174,9 +202,10 @@ def test_vllm_specs_follow_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     _fake_machine(monkeypatch, ["4", "5"])
     specs = vllm_specs(_cfg(tmp_path, "generation.vllm.launch=2",
                             "generation.vllm.gpu_memory_utilization=0.8"))
-    assert [s.cuda_device for s in specs] == ["4", "5", "4"]  # + the evaluator's own
-    assert [s.start_after for s in specs] == [None, None, 0]
-    assert [s.gpu_memory_utilization for s in specs] == pytest.approx([0.4, 0.8, 0.4])
+    # + the evaluator's own; all on "5": "4" is the trainer's (cuda:0), left to it
+    assert [s.cuda_device for s in specs] == ["5", "5", "5"]
+    assert [s.start_after for s in specs] == [None, 0, 1]
+    assert [s.gpu_memory_utilization for s in specs] == pytest.approx([0.8 / 3] * 3)
     assert all(s.cpu_core is None and "--enforce-eager" not in s.command(1) for s in specs)
     specs = vllm_specs(_cfg(tmp_path, "generation.vllm.launch=1",
                             'generation.vllm.weight_transfer="nccl"'))
