@@ -5,9 +5,10 @@ weight-transfer backend), with the `file` transport as the store engines fall ba
 store and returns that announcement: a generator finds its servers already labelled with
 the version and reloads from disk only a server that missed the push
 (`workers.engines.vllm_weights`). The push sends what the store writes (the fallback's
-`FileTransport.serving_state`: with tied embeddings, ``lm_head.weight`` as its own
+`FileTransport.serving_items`: with tied embeddings, ``lm_head.weight`` as its own
 tensor, in the store's serving dtype; for a LoRA run with ``model.lora.sync = "merged"``
-the merged base + adapter weights of `MergedLoraTransport`).
+the merged base + adapter weights of `MergedLoraTransport`), each tensor cast on the GPU
+only when the broadcast reaches it.
 
 Weight sync never hangs and never stops the run: the join at start and each push are
 bounded by ``timeout_s`` (``generation.vllm.nccl_timeout_s``), the resume that follows a
@@ -51,8 +52,9 @@ Ordering invariants (every step on every server concurrently):
    ``1 + sum(sizes[:i]) ...``; world = 1 + sum(sizes).
 2. push: pause → start_weight_update → (``/update_weights`` on all servers ∥ broadcast)
    → finish_weight_update(version) → reset_prefix_cache; resume always, in ``finally``.
-   update_info and the broadcast come from one materialized list, so names, order,
-   dtypes and shapes agree (the packed receiver cuts chunks from update_info).
+   update_info is planned from names, shapes and dtypes (`planned_update_info`), and
+   every tensor the broadcast sends is checked against it (`as_announced`), so names,
+   order, dtypes and shapes agree (the packed receiver cuts chunks from update_info).
 3. A failed or cut-short transfer leaves the group unusable (peers stay blocked in
    NCCL); the sync is marked broken and further pushes refuse until re-created. A step
    that times out (join, push) marks it broken too, whatever phase it was in, so no
@@ -73,7 +75,6 @@ Ordering invariants (every step on every server concurrently):
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
 import time
@@ -83,7 +84,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 
 from pipeline.vllm_auth import auth_headers, vllm_api_key
-from pipeline.weights.nccl_binding import Binding, check_binding, local_binding
+from pipeline.weights.nccl_binding import (
+    Binding,
+    Weights,
+    as_announced,
+    check_binding,
+    local_binding,
+    trainer_init_kwargs,
+    update_info,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +100,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.nccl")
 T = TypeVar("T")
 Pairs = list[tuple[str, "torch.Tensor"]]
-Weights = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
 # vllm packed_tensor.DEFAULT_PACKED_*; sent to the servers, so both sides always agree.
 PACKED_BUFFER_SIZE_BYTES = 1 << 30
 PACKED_NUM_BUFFERS = 2
@@ -107,31 +115,6 @@ class WeightSyncError(RuntimeError):
         super().__init__(f"{server}{path}: HTTP {status if status is not None else '-'}: "
                          f"{body[:500]}")
         self.server, self.path, self.status, self.body = server, path, status, body
-
-
-def update_info(state: Weights) -> dict[str, list[Any]]:
-    """``{"names", "dtype_names", "shapes"}`` as ``NCCLWeightTransferUpdateInfo`` takes it."""
-    pairs = list(state.items() if isinstance(state, Mapping) else state)
-    return {"names": [n for n, _ in pairs],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in pairs],
-            "shapes": [list(t.shape) for _, t in pairs]}
-
-
-def trainer_init_kwargs(trainer_init: Callable[..., Any], rendezvous: dict[str, Any]
-                        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments of vLLM's ``trainer_init`` for the trainer as rank 0: the rendezvous
-    dict, and ``rank=0`` only when the signature has a ``rank`` parameter (vLLM 0.32:
-    ``trainer_init(init_info, rank=0)``; versions without it: ``trainer_init(init_info)``,
-    which would refuse the keyword)."""
-    try:
-        params = inspect.signature(trainer_init).parameters
-    except (TypeError, ValueError):  # no signature to read: rely on rank's default
-        return (rendezvous,), {}
-    rank = params.get("rank")
-    if rank is not None and rank.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                          inspect.Parameter.KEYWORD_ONLY):
-        return (rendezvous,), {"rank": 0}
-    return (rendezvous,), {}
 
 
 def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
@@ -321,15 +304,24 @@ class NCCLWeightSync:
         self.broken = None
         return self.world_size
 
-    async def push(self, weights: Weights, version: int) -> float:
+    async def push(self, weights: Weights, version: int,
+                   info: dict[str, list[Any]] | None = None) -> float:
         """Send ``weights`` (HF checkpoint names) as ``version``; returns seconds paused.
+        With ``info`` (`planned_update_info`), ``weights`` is consumed one tensor at a
+        time as it is broadcast (each checked against ``info``: `as_announced`), never
+        held all at once; without it, it is listed first and ``info`` taken from it.
         Returns or raises within ``timeout_s`` + ``resume_timeout_s``."""
         if self.broken:
             raise RuntimeError(f"weight sync unusable ({self.broken}); re-create servers/group")
         if self.group is None:
             raise RuntimeError("NCCLWeightSync.push before init()")
-        pairs: Pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
-        info = update_info(pairs)
+        pairs: Iterable[tuple[str, torch.Tensor]]
+        if info is None:
+            pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
+            info = update_info(pairs)
+        else:
+            pairs = as_announced(weights.items() if isinstance(weights, Mapping) else weights,
+                                 info)
         t0, failed = time.perf_counter(), False
         try:
             await self._bounded(f"pushing v{version}", self._push(pairs, info, version))
@@ -343,7 +335,8 @@ class NCCLWeightSync:
                 await self._resume_all(raise_errors=not failed)
         return time.perf_counter() - t0
 
-    async def _push(self, pairs: Pairs, info: dict[str, list[Any]], version: int) -> None:
+    async def _push(self, pairs: Iterable[tuple[str, torch.Tensor]], info: dict[str, list[Any]],
+                    version: int) -> None:
         await self._all("/pause", params={"mode": "keep",
                                           "clear_cache": str(self.clear_cache).lower()})
         await self._all("/start_weight_update")
@@ -413,7 +406,7 @@ class NCCLWeightSync:
             raise RuntimeError("vLLM's PyNcclCommunicator is disabled")  # would be a no-op
         return group
 
-    def _vllm_broadcast(self, pairs: Pairs) -> None:
+    def _vllm_broadcast(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         import torch
 
         assert self.bound is not None and self.bound.broadcast_producer is not None

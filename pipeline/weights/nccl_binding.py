@@ -19,17 +19,26 @@ differs and the fix, before any server is asked (`pipeline.weights.nccl`).
 
 Invariants: `check_binding` is pure (versions in, `NCCLBindingError` or None out);
 `local_binding` imports vLLM's trainer-side modules and reads versions, nothing else.
+The payloads vLLM 0.32 takes from the trainer are built here too (`update_info`,
+`planned_update_info`, `trainer_init_kwargs`), and `as_announced` checks the broadcast
+against what was announced.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.runtime import RoleFatal
+
+if TYPE_CHECKING:
+    import torch
+
+Weights = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
 
 VLLM_PIN = "0.32.0"  # deploy/setup.sh installs this on GPU; the orchestration's review
 FIX = ("deploy/setup.sh --gpu installs vLLM {pin} in both the trainer's environment "
@@ -131,3 +140,59 @@ def check_binding(binding: Binding, server_versions: Mapping[str, str | None]) -
             raise NCCLBindingError(
                 f"{url} runs vLLM {release(theirs)}, the trainer {mine}: one NCCL group needs "
                 f"one vLLM (and the torch it pins) on both sides; {fix}")
+
+
+# ------------------------------------------------------------------ vLLM's payloads
+def update_info(state: Weights) -> dict[str, list[Any]]:
+    """``{"names", "dtype_names", "shapes"}`` as ``NCCLWeightTransferUpdateInfo`` takes it."""
+    pairs = list(state.items() if isinstance(state, Mapping) else state)
+    return {"names": [n for n, _ in pairs],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in pairs],
+            "shapes": [list(t.shape) for _, t in pairs]}
+
+
+def planned_update_info(state: Weights, dtype: torch.dtype | None) -> dict[str, list[Any]]:
+    """`update_info` of what `pipeline.weights.shards.serving_items` (``state``, ``dtype``)
+    will yield, from names, shapes and dtypes alone: nothing is cast, so the push can
+    announce a version before its first tensor exists."""
+    pairs = list(state.items() if isinstance(state, Mapping) else state)
+    return {"names": [n for n, _ in pairs],
+            "dtype_names": [str(dtype if dtype is not None and t.is_floating_point()
+                                else t.dtype).removeprefix("torch.") for _, t in pairs],
+            "shapes": [list(t.shape) for _, t in pairs]}
+
+
+def as_announced(items: Iterable[tuple[str, torch.Tensor]], info: dict[str, list[Any]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items`` passed through, each checked against its entry of ``info`` (name, dtype,
+    shape) and the count at the end: the receivers cut the packed stream by ``info``, so
+    a tensor that differs would be read as garbage; it raises instead (the push fails,
+    `NCCLWeightSync._exit_servers`)."""
+    n = 0
+    for n, (name, t) in enumerate(items, start=1):
+        i = n - 1
+        want = (info["names"][i], info["dtype_names"][i], info["shapes"][i]) \
+            if i < len(info["names"]) else None
+        got = (name, str(t.dtype).removeprefix("torch."), list(t.shape))
+        if got != want:
+            raise ValueError(f"tensor {i} is {got}, announced as {want}")
+        yield name, t
+    if n != len(info["names"]):
+        raise ValueError(f"{n} tensors sent, {len(info['names'])} announced")
+
+
+def trainer_init_kwargs(trainer_init: Callable[..., Any], rendezvous: dict[str, Any]
+                        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of vLLM's ``trainer_init`` for the trainer as rank 0: the rendezvous
+    dict, and ``rank=0`` only when the signature has a ``rank`` parameter (vLLM 0.32:
+    ``trainer_init(init_info, rank=0)``; versions without it: ``trainer_init(init_info)``,
+    which would refuse the keyword)."""
+    try:
+        params = inspect.signature(trainer_init).parameters
+    except (TypeError, ValueError):  # no signature to read: rely on rank's default
+        return (rendezvous,), {}
+    rank = params.get("rank")
+    if rank is not None and rank.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                          inspect.Parameter.KEYWORD_ONLY):
+        return (rendezvous,), {"rank": 0}
+    return (rendezvous,), {}

@@ -8,11 +8,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
+
 from pipeline.bus.schema import WeightsPublished
 from pipeline.weights.base import WeightSource, WeightTransport
 from pipeline.weights.file import FileTransport
 from pipeline.weights.nccl import NCCLWeightSync
-from pipeline.weights.nccl_binding import NCCLBindingError
+from pipeline.weights.nccl_binding import NCCLBindingError, planned_update_info
+from pipeline.weights.shards import serving_items
 
 log = logging.getLogger("sluice.nccl")
 
@@ -59,8 +62,13 @@ class NCCLTransport(WeightTransport):
         pushed = False
         if self.sync.group is not None and not self.sync.broken:
             try:
-                state = self.fallback.serving_state(source)  # what the store gets
-                stats["nccl_pause_s"] = await self.sync.push(state, version)
+                # what the store gets, cast one tensor at a time as it is sent: the
+                # GPU never holds a second, serving-dtype copy of the model
+                src = self.fallback.serving_source(source)
+                info = planned_update_info(src.state_dict() if isinstance(
+                    src, torch.nn.Module) else src, self.fallback.dtype)
+                stats["nccl_pause_s"] = await self.sync.push(
+                    serving_items(src, self.fallback.dtype), version, info=info)
                 pushed = True
             except Exception as e:  # the store + announcement below still carry it
                 log.error("NCCL weight push of v%d failed, it goes through the file store: "

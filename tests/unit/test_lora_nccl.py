@@ -54,8 +54,9 @@ def test_a_merged_lora_run_pushes_the_merged_full_weights_the_store_also_holds(
             assert isinstance(transport, NCCLTransport)
             assert isinstance(transport.fallback, MergedLoraTransport)
             assert transport.sync.servers == urls  # the run's sync, its join faked below
-            transport.sync = NCCLWeightSync(urls, "10.0.0.1", 29500, workers_per_server=1,
-                                            join=rdv.trainer, broadcast=rdv.trainer)
+            transport.sync = NCCLWeightSync(  # the broadcast consumes what it is given
+                urls, "10.0.0.1", 29500, workers_per_server=1, join=rdv.trainer,
+                broadcast=lambda items: rdv.trainer(list(items)))
             await transport.start()
             msg = await transport.publish(trained, version=3, step=30)
             stored = transport.fallback.load(msg)

@@ -95,3 +95,60 @@ def test_tied_tensors_are_own_copies_in_the_stream_too() -> None:
     items = dict(serving_items(_model()))  # no cast: the alias must still be a copy
     assert items["lm_head.weight"].data_ptr() != items["embed.weight"].data_ptr()
     assert torch.equal(items["lm_head.weight"], items["embed.weight"])
+
+
+def test_an_nccl_push_casts_one_tensor_at_a_time_and_sends_what_it_announced(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`NCCLTransport.publish`: the version is announced to the servers from shapes alone
+    (`planned_update_info`), then each tensor is cast as the broadcast reaches it and
+    dropped once sent (the broadcast here holds none beyond the one it sends)."""
+    import asyncio
+
+    from pipeline.weights.nccl import NCCLWeightSync
+    from pipeline.weights.nccl_transport import NCCLTransport
+    from tests.unit.test_vllm_nccl import Rendezvous, fake_servers
+
+    source = _model()
+    expected = publishable(source, torch.bfloat16)
+    sent: list[tuple[str, torch.dtype, list[int]]] = []
+    peaks: list[int] = []
+
+    async def main() -> None:
+        rdv = Rendezvous()
+
+        def broadcast(items: Any) -> None:  # the fake collective: one tensor at a time
+            rdv.trainer(None)
+            for name, t in items:
+                sent.append((name, t.dtype, list(t.shape)))
+                peaks.append(counter.alive())
+                del t
+
+        async with fake_servers(1, rdv) as (urls, log):
+            sync = NCCLWeightSync(urls, "127.0.0.1", 29500, workers_per_server=1,
+                                  join=lambda rdv_: "group", broadcast=broadcast)
+            sync.group = "group"
+            t = NCCLTransport(sync, FileTransport(tmp_path / "w", dtype=torch.bfloat16))
+            msg = await t.publish(source, version=1, step=1)
+            await t.close()
+        assert t.fallbacks == 0 and msg.version == 1
+        info = next(b for _, p, _, b in log if p == "/update_weights")["update_info"]
+        assert info["names"] == [n for n, _, _ in sent] == list(expected)
+        assert info["dtype_names"] == [str(d).removeprefix("torch.") for _, d, _ in sent]
+        assert [list(x.shape) for x in expected.values()] == info["shapes"]
+
+    counter = CastCounter(monkeypatch)
+    asyncio.run(main())
+    assert max(peaks) == 1  # the push's casts, one alive at a time (the store's follow)
+
+
+def test_a_tensor_that_differs_from_the_announcement_stops_the_push() -> None:
+    from pipeline.weights.nccl_binding import as_announced, planned_update_info
+
+    state = _model()
+    info = planned_update_info(state, torch.bfloat16)
+    items = list(publishable(state, torch.bfloat16).items())
+    assert [n for n, _ in as_announced(iter(items), info)] == list(state)
+    with pytest.raises(ValueError, match="announced as"):
+        list(as_announced(iter([(n, t.float()) for n, t in items]), info))  # wrong dtype
+    with pytest.raises(ValueError, match="9 announced"):
+        list(as_announced(iter(items[:-1]), info))  # one short

@@ -412,10 +412,12 @@ class FakeSync:
         self.group = "group"
         return 2
 
-    async def push(self, weights: dict[str, torch.Tensor], version: int) -> float:
+    async def push(self, weights: Any, version: int, info: Any = None) -> float:
         if self.fail:
             raise RuntimeError("peer gone")
-        self.pushed.append((version, list(weights)))
+        names = [n for n, _ in (weights.items() if isinstance(weights, dict) else weights)]
+        assert info is None or info["names"] == names  # what was announced is what is sent
+        self.pushed.append((version, names))
         return 0.25
 
     async def close(self) -> None:
