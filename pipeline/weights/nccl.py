@@ -414,6 +414,11 @@ class NCCLWeightSync:
         dev = torch.device("cuda", self.device)
         if self.device is not None:
             torch.cuda.set_device(self.device)
+        # The producer packs (and here casts: `serving_items`) on its own side streams,
+        # which do not wait for the default stream: the step's optimizer kernels queued
+        # there may still be writing the parameters it reads. Every stream of the device
+        # drained first.
+        torch.cuda.synchronize(dev)
         packed_nccl_broadcast_producer(iterator=iter(pairs), group=self.group, src=0,
                                        post_iter_func=lambda item: item[1].detach().to(dev),
                                        buffer_size_bytes=self.buffer_bytes,

@@ -129,3 +129,31 @@ def test_vllms_trainer_side_imports_beside_the_trainers_own_torch_and_transforme
     mine = sysconfig.get_paths()["purelib"]
     assert torch_file.startswith(mine) and tf_file.startswith(mine)
     assert init_mod.endswith("nccl_common") and producer == "packed_nccl_broadcast_producer"
+
+
+def test_the_broadcast_waits_for_the_steps_kernels_before_vllm_packs_on_its_streams(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's producer packs on side streams that do not wait for the default stream,
+    where the optimizer step was queued: the device is synchronised before it starts.
+    What reaches torch.cuda and the producer, recorded in order (no GPU here)."""
+    import torch
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(f"set_device {d}"))
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda d=None: calls.append(f"synchronize {d}"))
+
+    class Stream:
+        def synchronize(self) -> None:
+            calls.append("stream.synchronize")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+
+    def producer(**kw: object) -> None:
+        calls.append("producer")
+        assert [n for n, _ in kw["iterator"]] == ["w"]  # type: ignore[attr-defined]
+
+    sync = NCCLWeightSync(["http://x:1"], "127.0.0.1", 29500, device=1)
+    sync.bound = Binding("0.32.0", "2.13.0", "2.13.0", cuda=True, broadcast_producer=producer)
+    sync._vllm_broadcast([("w", torch.zeros(2))])
+    assert calls == ["set_device 1", "synchronize cuda:1", "producer", "stream.synchronize"]
