@@ -1,157 +1,82 @@
-"""The one-shot GPU check: what a first GPU run of sluice's trainer would hit, in minutes.
+"""The GPU check's stages on one device: the control plane, logprob layouts, the trainer
+benchmark judged against floors, and publish -> reload.
 
-    .venv/bin/python -m benchmarks.gpu_check [--out gpu_check.json]   # on one CUDA GPU
-    .venv/bin/python -m benchmarks.gpu_check --cpu                    # the CPU run CI makes
+Each ``stage_*`` takes the `StageContext` and returns the figures for its report row, or
+raises (the row then says why). Each runs in a process of its own (`benchmarks.gpu_check`
+runs it under a timeout), so none bounds its own waits.
 
-Stages, in order; each is recorded (ok, seconds, figures, error) in one JSON report,
-rewritten after every stage, and the command exits 1 if any failed (2: no CUDA device
-without ``--cpu``). Work on the compute thread has a timeout (`on_compute_thread`): a stage
-whose collective never returns fails ``StageHung``, no later stage runs, and the check
-exits without joining the stuck thread (a hung NCCL call cannot be cancelled).
-
-1. ``control_plane``: a one-rank process group on `trainer.distributed.backend_for` the
-   device (``cpu:gloo,cuda:nccl`` on CUDA), one all-reduce of a CPU tensor (the control
-   plane's kind, on gloo) and, on CUDA, one of a CUDA tensor (on NCCL), in the compute
-   thread bound to the device.
-2. ``layouts``: completion logprobs of one batch in the padded, packed, prefix-shared and
-   trie layouts (`trainer.packing`) with SDPA and eager attention, equal to the padded SDPA
-   forward: float32 to 1e-4, bfloat16 to ``BF16_TOL``; with a varlen flash kernel when
-   one loads offline (``kernels-community/flash-attn2`` or ``flash_attention_2``), the
-   packed layout through it, in bfloat16, to ``BF16_TOL`` (otherwise: why skipped).
-3. ``trainer_bench``: `benchmarks.gpu_trainer` (tokens/s, MFU, peak memory, publish
-   time) at Qwen2.5-0.5B's shape (``--cpu``: its tiny smoke test), and a finite loss.
-4. ``fsdp``: FSDP2 (`trainer.distributed.shard_model`) on a one-rank job of that backend:
-   two optimizer steps with finite loss, a checkpoint saved through the job's path
-   (`trainer.checkpoint`, gathering the shards), loaded into a fresh sharded model and
-   optimizer: parameters equal, and a third step from each gives equal parameters.
-5. ``publish_reload``: the trainer's float32 weights published in the serving dtype
-   (`pipeline.weights.FileTransport`, bfloat16 on CUDA), verified, loaded into a fresh
-   model: logits identical to the trainer's model cast to that dtype.
-
-It installs nothing and reads no network: what it needs is the trainer's environment
-(``deploy/setup.sh``; ``--gpu`` for the flash kernel, fetched into the local cache then).
-Budget: under 8 minutes on one H200 (the trainer benchmark takes most of it).
+The trainer benchmark's floors, judged on CUDA only (``--cpu`` runs the tiny smoke test,
+whose figures mean nothing). NOT YET CALIBRATED ON A GPU: no GPU has run this check, so
+each value is an estimate from the model's shape and the card's datasheet, stated with
+its reasoning; the first GPU run's report is what they should be re-set from.
 """
 
 from __future__ import annotations
 
-import argparse
+import asyncio
 import contextlib
+import importlib.util
 import io
 import json
-import math
-import os
-import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
-# huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported (transformers
-# imports it below): set here, before that, so "the cache only, never the network" holds.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import torch
 import torch.distributed as dist
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from benchmarks.synthetic import scored_groups
-from pipeline.attention import FLASH_ATTN2
-from pipeline.ports import free_port
-from pipeline.rl.losses import LossConfig
+from benchmarks.gpu_check.common import (
+    BF16_TOL,
+    FLASH_KERNEL,
+    FP32_TOL,
+    StageContext,
+    one_batch,
+    one_rank_group,
+    tiny_config,
+    tiny_model,
+)
 from pipeline.weights import FileTransport, read_full
-from trainer.batch import Batch, build_batch
-from trainer.checkpoint import Checkpointer, TrainerState
-from trainer.distributed import Ranks, backend_for, compute_thread, shard_model
+from trainer.batch import Batch
+from trainer.distributed import compute_thread
 from trainer.logprobs import CompletionLogprobs
 from trainer.packing import LayoutKind, make_layout
-from trainer.step import StepSettings, optimize
 
-BF16_TOL = 0.05  # nats: bf16 logprobs of other kernels / layouts (seen: 0.004 on the CPU)
-FP32_TOL = 1e-4
-FLASH_KERNEL = FLASH_ATTN2  # the kernel deploy/setup.sh --gpu caches on every NVIDIA GPU
+MFU_FLOOR = 0.20
+"""Padded arm (the trainer's default layout), MFU = 6 x 494M params x tokens/s over the
+card's dense bf16 peak (`PEAK_TFLOPS`). Why 0.20: a 0.5B model with a 152k-token
+vocabulary, checkpoint recompute uncounted, pads uncounted: well below what large models
+reach (~0.4), and a step at under a fifth of the card's peak means something is off (a
+float32 body, a host sync per micro-batch, no fused attention)."""
 
+TOKENS_PER_S_FLOOR = 50_000.0
+"""Padded arm, real tokens (prompt + completion) per second: `MFU_FLOOR` in tokens on the
+slowest card the floors are meant for, an H100 PCIe (756 TFLOP/s dense bf16):
+0.20 x 756e12 / (6 x 494e6) = 51k, rounded down."""
 
-class _OneRankJob(Ranks):
-    """A job of one rank that still takes the multi-rank paths (FSDP2's full-state
-    gathers, the checkpoint's broadcasts): what a GPU job runs, at world size 1."""
+PEAK_MEMORY_GIB_CEILING = 24.0
+"""Any arm's ``max_memory_allocated``. Estimate ~11 GiB: 494M params x 16 bytes (float32
+weights, gradients, AdamW's two moments) = 7.4 GiB, plus the bf16 activations of a
+16k-token micro-batch under checkpointing and 256-token float32 logit chunks. Twice that
+still catches a step that keeps full logits (16k x 152k x 4 bytes = 9.3 GiB a copy) or
+runs without checkpointing (~18 GiB of activations)."""
 
-    @property
-    def distributed(self) -> bool:
-        return True
-
-
-def tiny_config(vocab: int = 512) -> Qwen2Config:
-    return Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=256,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=2048, rope_theta=1e6,
-                       tie_word_embeddings=False, attn_implementation="sdpa")
-
-
-def tiny_model(device: torch.device, dtype: torch.dtype = torch.float32,
-               attn: str = "sdpa") -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    cfg = tiny_config()
-    cfg._attn_implementation = attn
-    with device:
-        model = Qwen2ForCausalLM(cfg)
-    return model.to(dtype).eval()
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0}
+"""Dense bf16 peaks (datasheets) by a name fragment; other cards: 989 (H100 SXM, H200)."""
 
 
-def one_batch(vocab: int, seed: int = 0) -> Batch:
-    groups = scored_groups(3, 4, vocab_size=vocab, prompt_tokens=(5, 24),
-                           completion_tokens=(3, 40), seed=seed)
-    return build_batch(groups, pad_id=0)
+def peak_tflops(device_name: str) -> float:
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), 989.0)
 
 
-@contextlib.contextmanager
-def one_rank_group(device: torch.device) -> Iterator[str]:
-    """A one-rank default process group on `backend_for` ``device`` (a TCP store on a free
-    loopback port); destroyed on exit."""
-    backend = backend_for(device)
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
-    dist.init_process_group(backend, store=store, rank=0, world_size=1)
-    try:
-        yield backend
-    finally:
-        dist.destroy_process_group()
+# ------------------------------------------------------------------ control plane
 
 
-class StageHung(TimeoutError):
-    """A stage's work did not return in time (an NCCL collective that never completes):
-    its thread cannot be stopped, so the check reports it and exits without joining it."""
-
-
-def on_compute_thread(pool: ThreadPoolExecutor, fn: Callable[[], Any], timeout_s: float) -> Any:
-    """``fn()`` on the rank's compute thread, `StageHung` after ``timeout_s``."""
-    try:
-        return pool.submit(fn).result(timeout_s)
-    except FuturesTimeout:
-        raise StageHung(f"no result in {timeout_s:g} s: the thread is stuck (a hung "
-                        "collective?) and is left behind") from None
-
-
-def release(pool: ThreadPoolExecutor) -> None:
-    """Shut the pool down without waiting: a stuck thread must not hang the check."""
-    pool.shutdown(wait=False, cancel_futures=True)
-
-
-def write_report(report: dict[str, Any], out: Path) -> None:
-    """The report as it stands, replaced atomically: after every stage, so a check that
-    dies or is killed later still leaves what it found."""
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    os.replace(tmp, out)
-
-
-# ------------------------------------------------------------------ stages
-
-
-def stage_control_plane(device: torch.device) -> dict[str, Any]:
+def stage_control_plane(ctx: StageContext) -> dict[str, Any]:
+    """A one-rank group on `backend_for` the device: an all-reduce of a CPU tensor (the
+    control plane's kind, on gloo) and, on CUDA, of a CUDA tensor (NCCL), in the compute
+    thread bound to the device."""
+    device = ctx.device
     pool = compute_thread(device)
     try:
         with one_rank_group(device) as backend:
@@ -164,11 +89,15 @@ def stage_control_plane(device: torch.device) -> dict[str, Any]:
                     dist.all_reduce(gpu)
                     out["cuda_all_reduce"] = gpu.tolist()
                     out["current_device"] = torch.cuda.current_device()
+                    out["device_name"] = torch.cuda.get_device_name(device)
                 return out
 
-            return on_compute_thread(pool, collectives, 120)
+            return pool.submit(collectives).result()
     finally:
-        release(pool)
+        pool.shutdown(wait=True)
+
+
+# ------------------------------------------------------------------ layouts
 
 
 def layout_logps(model: torch.nn.Module, batch: Batch, kind: LayoutKind) -> torch.Tensor:
@@ -187,8 +116,6 @@ def flash_attention(device: torch.device) -> tuple[str, str]:
     """(the varlen flash implementation that loads offline here, '') or ('', why not)."""
     if device.type != "cuda":
         return "", "needs CUDA"
-    import importlib.util
-
     if importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2", ""
     if importlib.util.find_spec("kernels") is None:
@@ -201,7 +128,11 @@ def flash_attention(device: torch.device) -> tuple[str, str]:
     return FLASH_KERNEL, ""
 
 
-def stage_layouts(device: torch.device) -> dict[str, Any]:
+def stage_layouts(ctx: StageContext) -> dict[str, Any]:
+    """Completion logprobs of one batch in the padded, packed, prefix-shared and trie
+    layouts, SDPA and eager, float32 and bfloat16 (and packed through the varlen flash
+    kernel when it loads offline), against the padded float32 SDPA forward."""
+    device = ctx.device
     batch = one_batch(tiny_config().vocab_size)
     out: dict[str, Any] = {"fp32_tol": FP32_TOL, "bf16_tol": BF16_TOL}
     base = layout_logps(tiny_model(device), batch, "padded")
@@ -230,84 +161,75 @@ def stage_layouts(device: torch.device) -> dict[str, Any]:
     return out
 
 
-def stage_trainer_bench(device: torch.device) -> dict[str, Any]:
+# ------------------------------------------------------------------ trainer benchmark
+
+
+def stage_trainer_bench(ctx: StageContext) -> dict[str, Any]:
+    """`benchmarks.gpu_trainer` at Qwen2.5-0.5B's shape (``--cpu``: its tiny smoke test):
+    it exits 1 on a non-finite loss or gradient or a skipped step; its figures (a JSON
+    file) are judged against the floors above on CUDA."""
     from benchmarks import gpu_trainer
 
-    args = ["--cpu", "--tiny", "--quick"] if device.type == "cpu" else []
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = gpu_trainer.main(args)
-    text = buf.getvalue()
-    if code != 0:
-        raise AssertionError(f"gpu_trainer exited {code}:\n{text}")
-    return {"output": text.splitlines()}
+    name = torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu"
+    with tempfile.TemporaryDirectory(prefix="sluice-gpu-check-bench-") as tmp:
+        figures_path = Path(tmp) / "figures.json"
+        args = (["--peak-tflops", f"{peak_tflops(name):g}"] if ctx.cuda
+                else ["--cpu", "--tiny", "--quick"]) + ["--json-out", str(figures_path)]
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            code = gpu_trainer.main(args)
+        text = buf.getvalue()
+        if code != 0:
+            raise AssertionError(f"gpu_trainer exited {code} (a non-finite or skipped "
+                                 f"step fails it):\n{text}")
+        figures = json.loads(figures_path.read_text())
+    out: dict[str, Any] = {"output": text.splitlines(), "figures": figures}
+    if not ctx.cuda:
+        out["floors"] = "not judged on the CPU: the floors are for an H100/H200 in bf16"
+        return out
+    out["floors"], failed = judge_floors(figures)
+    if failed:
+        raise AssertionError("below the floors (not yet calibrated on a GPU): "
+                             + "; ".join(failed))
+    return out
 
 
-def _settings(device: torch.device) -> StepSettings:
-    return StepSettings(loss=LossConfig(loss_type="dapo"), temperature=1.0,
-                        compute_dtype=torch.bfloat16 if device.type == "cuda" else None)
+def judge_floors(figures: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(each floor with the figure it judged, the failures) for gpu_trainer's figures."""
+    padded = figures["arms"]["padded"]
+    peak_gib = max(arm["peak_gib"] for arm in figures["arms"].values())
+    checks = [("mfu", padded["mfu"], MFU_FLOOR, ">="),
+              ("tokens_per_s", padded["tokens_per_s"], TOKENS_PER_S_FLOOR, ">="),
+              ("peak_gib", peak_gib, PEAK_MEMORY_GIB_CEILING, "<=")]
+    floors, failed = {}, []
+    for name, value, bound, op in checks:
+        ok = value >= bound if op == ">=" else value <= bound
+        floors[name] = {"value": value, "bound": f"{op} {bound:g}", "ok": ok}
+        if not ok:
+            failed.append(f"{name} {value:.4g} (want {op} {bound:g})")
+    return floors, failed
 
 
-def stage_fsdp(device: torch.device) -> dict[str, Any]:
-    pool = compute_thread(device)
-    try:
-        with one_rank_group(device), tempfile.TemporaryDirectory() as tmp:
-            return on_compute_thread(pool, lambda: _fsdp_round_trip(device, Path(tmp)), 900)
-    finally:
-        release(pool)
+# ------------------------------------------------------------------ publish -> reload
 
 
-def _sharded(device: torch.device) -> tuple[CompletionLogprobs, torch.optim.Optimizer]:
-    fwd = CompletionLogprobs(tiny_model(device).train(), temperature=1.0)
-    shard_model(fwd, device, torch.bfloat16 if device.type == "cuda" else None)
-    return fwd, torch.optim.AdamW(fwd.parameters(), lr=1e-3)
-
-
-def _fsdp_round_trip(device: torch.device, tmp: Path) -> dict[str, Any]:
-    ranks, st = _OneRankJob(rank=0, world=1), _settings(device)
-    vocab = tiny_config().vocab_size
-    fwd, opt = _sharded(device)
-    losses = [optimize(fwd, opt, one_batch(vocab, seed=s), st, None)["loss"] for s in (1, 2)]
-    if not all(math.isfinite(x) for x in losses):
-        raise AssertionError(f"non-finite loss in FSDP2 steps: {losses}")
-    ckpt = Checkpointer(tmp, keep=1)
-    ckpt.save(fwd, opt, TrainerState(step=2, version=2), None, ranks)
-    fwd2, opt2 = _sharded(device)
-    state = ckpt.load_latest(fwd2, opt2, None, ranks)
-    if state is None or state.step != 2:
-        raise AssertionError(f"checkpoint not resumed: {state}")
-    same = _params_equal(fwd, fwd2)
-    third = one_batch(vocab, seed=3)
-    optimize(fwd, opt, third, st, None)
-    optimize(fwd2, opt2, third, st, None)
-    after = _params_equal(fwd, fwd2)
-    if not (same and after):
-        raise AssertionError(f"resumed parameters differ (after load: {same}, after a "
-                             f"step from each: {after})")
-    return {"losses": losses, "resumed_step": state.step}
-
-
-def _params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    def full(m: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-                for k, v in m.state_dict().items()}
-
-    fa, fb = full(a), full(b)
-    return fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
-
-
-def stage_publish_reload(device: torch.device) -> dict[str, Any]:
-    serving = torch.bfloat16 if device.type == "cuda" else torch.float32
-    trainer_model = tiny_model(device)  # float32 masters
-    with tempfile.TemporaryDirectory() as tmp:
+def stage_publish_reload(ctx: StageContext) -> dict[str, Any]:
+    """The trainer's float32 weights of a tied model published in the serving dtype
+    (`FileTransport`, bfloat16 on CUDA), verified, loaded into a fresh model: logits
+    identical to the trainer's model cast to that dtype, ``lm_head.weight`` published
+    as its own tensor."""
+    device = ctx.device
+    serving = torch.bfloat16 if ctx.cuda else torch.float32
+    trainer_model = tiny_model(device, tied=True)  # float32 masters
+    with tempfile.TemporaryDirectory(prefix="sluice-gpu-check-publish-") as tmp:
         transport = FileTransport(Path(tmp), dtype=serving)
         t0 = time.perf_counter()
         msg = transport.write(trainer_model, version=1, step=1)
         publish_s = time.perf_counter() - t0
-        import asyncio
-
         state = read_full(asyncio.run(transport.receive(msg)))
-    engine = tiny_model(device, serving)
+    if "lm_head.weight" not in state:
+        raise AssertionError("the tied lm_head.weight was not published as its own tensor")
+    engine = tiny_model(device, serving, tied=True)
     engine.load_state_dict(state)
     ids = torch.randint(4, tiny_config().vocab_size, (2, 32), device=device)
     with torch.no_grad():
@@ -316,52 +238,3 @@ def stage_publish_reload(device: torch.device) -> dict[str, Any]:
     if not torch.equal(want, got):
         raise AssertionError(f"reloaded logits differ: max {float((want - got).abs().max())}")
     return {"dtype": str(serving), "publish_s": round(publish_s, 4), "bytes": msg.nbytes}
-
-
-STAGES: list[tuple[str, Callable[[torch.device], dict[str, Any]]]] = [
-    ("control_plane", stage_control_plane), ("layouts", stage_layouts),
-    ("trainer_bench", stage_trainer_bench), ("fsdp", stage_fsdp),
-    ("publish_reload", stage_publish_reload)]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cpu", action="store_true", help="run on the CPU (what CI runs)")
-    p.add_argument("--out", default="gpu_check.json", help="the JSON report")
-    p.add_argument("--only", nargs="*", default=None, help="run only these stages")
-    a = p.parse_args(argv)
-    if not a.cpu and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; `--cpu` runs the CPU version", file=sys.stderr)
-        return 2
-    device = torch.device("cpu" if a.cpu else "cuda", None if a.cpu else 0)
-    if a.cpu:
-        torch.set_num_threads(2)
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if not a.cpu else "cpu",
-                              "torch": torch.__version__, "stages": {}}
-    for name, fn in STAGES:
-        if a.only and name not in a.only:
-            continue
-        t0 = time.perf_counter()
-        try:
-            row = {"ok": True, **fn(device)}
-        except Exception as e:
-            row = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                   "traceback": traceback.format_exc().splitlines()[-12:]}
-        row["seconds"] = round(time.perf_counter() - t0, 2)
-        report["stages"][name] = row
-        write_report(report, Path(a.out))
-        print(f"[gpu_check] {name}: {'ok' if row['ok'] else 'FAILED ' + row['error']} "
-              f"({row['seconds']} s)", flush=True)
-        if "StageHung" in row.get("error", ""):
-            break  # the device may be wedged: the later stages would hang too
-    ok = all(r["ok"] for r in report["stages"].values())
-    print(f"[gpu_check] {'all stages passed' if ok else 'FAILED'}; report in {a.out}",
-          flush=True)
-    if any("StageHung" in r.get("error", "") for r in report["stages"].values()):
-        sys.stderr.flush()
-        os._exit(1)  # interpreter exit would join the stuck thread and hang
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
