@@ -1,7 +1,7 @@
 """The trainer step on one GPU at Qwen2.5-0.5B's shape: tokens/s, MFU, peak memory, publish.
 
     .venv/bin/python -m benchmarks.gpu_trainer [--groups 8] [--generations 8] [--steps 3]
-        [--micro-batch-tokens 16384] [--peak-tflops 989] [--pure-bf16]
+        [--micro-batch-tokens 16384] [--peak-tflops 989] [--pure-bf16] [--json-out FILE]
     .venv/bin/python -m benchmarks.gpu_trainer --cpu --tiny [--quick]   # CPU smoke test
 
 NOT YET RUN ON A GPU: written and smoke-tested on CPU (``--cpu --tiny``) only.
@@ -34,19 +34,24 @@ over the timed steps (weights, gradients and AdamW state included); then the rat
 packed/padded and shared/padded, and the time to publish the full state dict through the
 ``file`` transport in the serving dtype, bf16 (`FileTransport.write`: GPU->CPU copy,
 safetensors, sha256, files) into a temp dir. On CPU, peak memory is not measured and MFU
-means nothing.
+means nothing. ``--json-out FILE`` writes the same figures as JSON (per arm
+``tokens_per_s``, ``mfu``, ``mfu_lean``, ``peak_gib``, ``step_s``, ``bad_steps``): what
+`benchmarks.gpu_check` judges against its floors. Exit 1 when any step had a non-finite
+loss or gradient or was skipped for it (the figures of such a run measure nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported (transformers
 # imports it below): set here, before that, so "the cache only, never the network" holds.
@@ -159,23 +164,36 @@ def publish_seconds(model: torch.nn.Module) -> tuple[float, int]:
         return time.perf_counter() - t0, msg.nbytes
 
 
-def report(a: argparse.Namespace, model: torch.nn.Module, rows: dict[str, dict[str, float]],
-           device: torch.device) -> None:
+def figures(a: argparse.Namespace, model: torch.nn.Module, rows: dict[str, dict[str, float]],
+            device: torch.device) -> dict[str, Any]:
+    """Per arm: tokens/s, MFU, MFU_lean, peak GiB (0 on the CPU: not measured), seconds
+    per step and the count of bad steps; what `--json-out` writes and `report` prints."""
     n_all = model.num_parameters()
     n_head = model.get_output_embeddings().weight.numel()  # type: ignore[operator]
     n_body = n_all - n_head  # tied: the embedding is the head, counted once
     peak_flops = a.peak_tflops * 1e12
-    print(f"{'arm':<11}{'tokens/s':>11}{'MFU':>8}{'MFU_lean':>10}{'peak_GB':>9}{'step_s':>8}")
+    arms = {}
     for name, r in rows.items():
         tps = r["tokens"] / r["seconds"]
         lean = 6 * (n_body * r["tokens"] + n_head * r["trained"]) / r["seconds"]
-        peak = f"{r['peak_gb']:.1f}" if device.type == "cuda" else "-"
-        print(f"{name:<11}{tps:>11.0f}{6 * n_all * tps / peak_flops:>8.1%}"
-              f"{lean / peak_flops:>10.1%}{peak:>9}{r['seconds'] / a.steps:>8.2f}")
-    pad = rows["padded"]["tokens"] / rows["padded"]["seconds"]
-    for name, r in rows.items():
+        arms[name] = {"tokens_per_s": tps, "mfu": 6 * n_all * tps / peak_flops,
+                      "mfu_lean": lean / peak_flops, "peak_gib": r["peak_gb"],
+                      "step_s": r["seconds"] / a.steps, "bad_steps": int(r["bad_steps"])}
+    return {"device": str(device), "params": n_all, "peak_tflops": a.peak_tflops,
+            "steps": a.steps, "micro_batch_tokens": a.micro_batch_tokens, "arms": arms}
+
+
+def report(figs: dict[str, Any], device: torch.device) -> None:
+    print(f"{'arm':<11}{'tokens/s':>11}{'MFU':>8}{'MFU_lean':>10}{'peak_GB':>9}{'step_s':>8}")
+    arms = figs["arms"]
+    for name, f in arms.items():
+        peak = f"{f['peak_gib']:.1f}" if device.type == "cuda" else "-"
+        print(f"{name:<11}{f['tokens_per_s']:>11.0f}{f['mfu']:>8.1%}{f['mfu_lean']:>10.1%}"
+              f"{peak:>9}{f['step_s']:>8.2f}")
+    pad = arms["padded"]["tokens_per_s"]
+    for name, f in arms.items():
         if name != "padded":
-            print(f"{name}/padded tokens/s = {r['tokens'] / r['seconds'] / pad:.2f}x")
+            print(f"{name}/padded tokens/s = {f['tokens_per_s'] / pad:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true", help="run on CPU (smoke test)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, hidden-64 model")
     p.add_argument("--quick", action="store_true", help="1 group of 4 short samples, 1 step")
+    p.add_argument("--json-out", default="", help="also write the figures to this JSON file")
     a = p.parse_args(argv)
     if a.quick:
         a.groups, a.generations, a.steps, a.prompt = 1, 4, 1, 8
@@ -228,12 +247,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.steps} timed steps of {a.groups} x {a.generations} samples, prompt {a.prompt}, "
           f"completions {a.completion_tokens[0]}-{a.completion_tokens[1]}; micro_batch_tokens "
           f"{a.micro_batch_tokens}; MFU vs {a.peak_tflops:g} TFLOP/s\n")
-    report(a, model, rows, device)
+    figs = figures(a, model, rows, device)
+    figs.update(publish_s=pub_s, publish_gib=pub_bytes / 2**30, train_s=train_s,
+                flash=skipped or "ran", ok=not any(f["bad_steps"] for f in figs["arms"].values()))
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(figs, indent=1))
+    report(figs, device)
     if skipped:
         print(skipped)
     print(f"publish (file transport, full state dict): {pub_s:.2f} s for "
           f"{pub_bytes / 2**30:.2f} GiB; training arms took {train_s:.1f} s")
-    bad = {name: int(r["bad_steps"]) for name, r in rows.items() if r["bad_steps"]}
+    bad = {name: f["bad_steps"] for name, f in figs["arms"].items() if f["bad_steps"]}
     if bad:
         print(f"gpu_trainer: FAILED: steps with a non-finite loss or gradient: {bad}")
         return 1

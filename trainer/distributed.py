@@ -227,15 +227,25 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def full_state(module: nn.Module, ranks: Ranks) -> dict[str, torch.Tensor]:
     """Full CPU tensors of ``module``'s state dict, keys as ``module.state_dict()`` of an
-    unsharded copy. Every rank must call it (it gathers); only rank 0 gets the tensors."""
+    unsharded copy, no two sharing storage. Every rank must call it (it gathers); only
+    rank 0 gets the tensors.
+
+    Why no sharing: the checkpoint writes them with safetensors, which refuses tensors
+    that share memory, and FSDP2's full state dict gathers a tied parameter (Qwen2.5's
+    ``lm_head.weight`` = ``model.embed_tokens.weight``) once, under both names: every
+    checkpoint of a sharded tied model failed ("Some tensors share memory")."""
     if not ranks.distributed:
         return {k: v.detach().to("cpu", copy=True).contiguous()
                 for k, v in module.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from pipeline.weights.shards import aliases
+
     sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
                                                                cpu_offload=True))
-    return {k: v.contiguous() for k, v in sd.items()}
+    sd = {k: v.contiguous() for k, v in sd.items()}
+    copies = aliases(sd)
+    return {k: v.clone() if k in copies else v for k, v in sd.items()}
 
 
 def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:

@@ -185,3 +185,53 @@ def test_sluice_up_refuses_a_named_gpu_for_several_trainer_ranks() -> None:
         load_config(None, ['trainer.device="cuda:1"', "up.trainer_ranks=2"])
     load_config(None, ['trainer.device="cuda"', "up.trainer_ranks=2"])
     load_config(None, ['trainer.device="cuda:1"', "up.trainer_ranks=1"])
+
+
+# ---------------------------------------------------------------- tied weights under FSDP2
+
+
+class _OneRankJob(Ranks):
+    """One rank on the multi-rank paths (FSDP2's gathers, the checkpoint's broadcasts)."""
+
+    @property
+    def distributed(self) -> bool:
+        return True
+
+
+def test_a_sharded_tied_model_checkpoints_and_resumes(tmp_path: Any) -> None:
+    """FSDP2's full state dict gathers a tied parameter (Qwen2.5's ``lm_head.weight`` =
+    ``model.embed_tokens.weight``) once, under both names, and safetensors refuses
+    tensors that share memory: `full_state` hands the checkpoint one copy per name, so a
+    sharded tied model saves and resumes (a one-rank gloo job on the multi-rank path)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from pipeline.ports import free_port
+    from trainer.checkpoint import TrainerState
+    from trainer.distributed import full_state, shard_model
+    from trainer.logprobs import CompletionLogprobs
+
+    cpu, ranks = torch.device("cpu"), _OneRankJob(0, 1)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      tie_word_embeddings=True)
+
+    def sharded() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = Qwen2ForCausalLM(cfg)
+        shard_model(CompletionLogprobs(model, temperature=1.0), cpu, None)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model, opt = sharded()
+        state = full_state(model, ranks)
+        assert {"lm_head.weight", "model.embed_tokens.weight"} <= state.keys()
+        storages = [t.untyped_storage().data_ptr() for t in state.values()]
+        assert len(set(storages)) == len(storages)
+        Checkpointer(tmp_path, keep=1).save(model, opt, TrainerState(step=1), None, ranks)
+        fresh, fresh_opt = sharded()
+        resumed = Checkpointer(tmp_path, keep=1).load_latest(fresh, fresh_opt, None, ranks)
+        assert resumed is not None and resumed.step == 1
+        torch.testing.assert_close(full_state(fresh, ranks), state)
+    finally:
+        dist.destroy_process_group()

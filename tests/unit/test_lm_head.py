@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.gpu_check import one_batch, tiny_config, tiny_model
+from benchmarks.gpu_check.common import one_batch, tiny_config, tiny_model
 from pipeline.rl.logprobs import head_logprobs
 from trainer.logprobs import CompletionLogprobs
 from trainer.packing import make_layout
