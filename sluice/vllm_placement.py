@@ -41,6 +41,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import Config, ConfigError
 from pipeline.vllm_auth import run_key
@@ -194,6 +195,46 @@ def server_plan(cfg: Config) -> list[Placement]:
                         trainer_fraction=v.trainer_gpu_fraction)
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(model_config: dict[str, Any], dtype: str) -> int | None:
+    """KV-cache bytes one token takes in a server of this model (2 × layers × KV heads ×
+    head dim × dtype bytes: one key and one value per layer, vLLM's full-attention
+    layout), from its ``config.json`` (a VLM's ``text_config``); None where that formula
+    does not hold (sliding-window or linear-attention layers, MLA) or a field is
+    missing: then nothing is judged."""
+    c = model_config.get("text_config") or model_config
+    if (c.get("sliding_window") and c.get("use_sliding_window", True)) \
+            or any(t != "full_attention" for t in c.get("layer_types") or []) \
+            or c.get("kv_lora_rank"):
+        return None
+    try:
+        layers, heads = int(c["num_hidden_layers"]), int(c["num_attention_heads"])
+        kv_heads = int(c.get("num_key_value_heads") or heads)
+        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
+
+
+def check_kv_budget(model_config: dict[str, Any], dtype: str, max_model_len: int,
+                    kv_cache_memory_bytes: int) -> None:
+    """`ConfigError` naming both keys when a CPU server's KV cache cannot hold one
+    ``max_model_len`` sequence: vLLM refuses to start such a server, but only after it
+    has loaded the model (a minute for a large one), and `sluice up` would then report a
+    server that died at start."""
+    per_token = kv_bytes_per_token(model_config, dtype)
+    if per_token is None or kv_cache_memory_bytes >= per_token * max_model_len:
+        return
+    need = per_token * max_model_len
+    raise ConfigError(
+        f"generation.vllm.kv_cache_memory_bytes = {kv_cache_memory_bytes} cannot hold one "
+        f"sequence of generation.vllm.max_model_len = {max_model_len} tokens: this model "
+        f"takes {per_token} bytes of KV cache per token in {dtype}, {need} in all "
+        f"({need / 2**20:.0f} MiB); raise kv_cache_memory_bytes or lower max_model_len")
+
+
 def vllm_specs(cfg: Config) -> list[ServerSpec]:
     """One `ServerSpec` per server `sluice up` launches (the generators' ``launch``, then
     the evaluator's own if `launches_eval_server`), placed by `server_plan` (checked
@@ -212,6 +253,11 @@ def vllm_specs(cfg: Config) -> list[ServerSpec]:
         python = Path(__file__).resolve().parents[1] / v.python  # relative to the checkout
     lora = cfg.model.serving_lora  # merged LoRA: servers take full weights, no --enable-lora
     model = resolve_model(cfg.model.path, cfg.model.revision).local_dir
+    if any(p.device is None for p in plan):  # CPU servers size their KV cache in bytes
+        config_json = Path(model) / "config.json"
+        if config_json.exists():
+            check_kv_budget(json.loads(config_json.read_text()), cfg.model.dtype,
+                            v.max_model_len, v.kv_cache_memory_bytes)
     nccl = NCCL_ARGS if v.weight_transfer == "nccl" else []
     key = run_key(cfg.output_path / "vllm", v.api_key_file)
     return [ServerSpec(api_key=key, python=str(python), model=model,
