@@ -226,9 +226,21 @@ def plan_rows(shapes: list[RowShape], kind: LayoutKind) -> tuple[list[list[Place
     capacity = max(sizes)
     plan = [[p for u in row for p in units[u]] for row in _first_fit(sizes, capacity)]
     if kind == "trie":  # the fewest rows; on a tie the one writing fewest tokens
-        plans = [_trie_rows(shapes, capacity), _chain_rows(shapes, capacity), plan]
+        plans = [[_shared_in_row(shapes, row) for row in p]
+                 for p in (_trie_rows(shapes, capacity), _chain_rows(shapes, capacity), plan)]
         plan = min(plans, key=lambda p: (len(p), sum(_written(shapes, row) for row in p)))
     return plan, capacity
+
+
+def _shared_in_row(shapes: list[RowShape], row: list[Placed]) -> list[Placed]:
+    """``row``'s samples in lexicographic order, each sharing its longest common prefix
+    with the one before it: in sorted order that is the longest it shares with any
+    earlier sample of the row, so every prefix two samples of a row have in common is
+    written once, whichever placement put them together (two chains packed into one row
+    by first fit share too). Only sharing grows: the row never gets wider."""
+    order = sorted((b for b, _ in row), key=lambda b: shapes[b].ids)
+    return [(b, _common_tokens(shapes[order[k - 1]].ids, shapes[b].ids) if k else 0)
+            for k, b in enumerate(order)]
 
 
 def make_layout(batch: Batch, kind: LayoutKind, pad_id: int) -> Layout:

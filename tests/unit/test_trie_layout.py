@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.synthetic import episode_groups
@@ -106,9 +106,18 @@ def _check_structure(batch: Batch) -> None:
         assert (seen[k, written:] == 1).all()  # padding sees itself only
 
 
+# Found by the property below in a full-suite run: two chains that share only (6,) cut
+# apart by the row width, then packed into one row by first fit, wrote 6 twice.
+TWO_CHAINS_ONE_ROW = _batch(
+    [[6, 4, 4], [6, 4, 5, 4, 4, 4, 4, 4, 4, 4, 4, 4], [4, 4], [7, 4, 4, 4], [6, 5],
+     [7, 4, 4, 4, 4, 4, 4, 4, 4, 4]], [1, 11, 1, 3, 1, 9], [0] * 6,
+    [[1, 0], [0], [0], [0], [0], [0]])
+
+
 @settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=shared_prefix_batches())
+@example(batch=TWO_CHAINS_ONE_ROW)
 def test_trie_equals_padded_on_random_shared_prefixes(models: dict[str, torch.nn.Module],
                                                       batch: Batch) -> None:
     _check_structure(batch)
