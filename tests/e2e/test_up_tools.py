@@ -143,7 +143,11 @@ def test_sluice_up_runs_the_models_tool_calls_and_reports_them(
             output, _ = up.communicate()
     assert up.returncode == 130, f"{output[-3000:]}\n{role_logs(out)}"  # interrupted
 
-    assert figs["tools/failure_frequency"] == 0.0 and "tools/add/failures" in figs
+    # failures per call, TRL's definition (a sampled call may be malformed: temperature
+    # 0.5 makes one rare, not impossible, and a slow machine samples thousands)
+    assert "tools/add/failures" in figs
+    assert figs["tools/failure_frequency"] == pytest.approx(
+        figs["tools/add/failures"] / figs["tools/add/calls"])
     rows = _rows(out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] >= 2 and summary["steps"] == rows[-1]["step"], summary
@@ -151,10 +155,12 @@ def test_sluice_up_runs_the_models_tool_calls_and_reports_them(
     assert ": OK:" in output, output[-3000:]  # the ledger audit at the end
 
     calls = sum(r.get("tools/add/calls", 0) for r in rows)
-    assert calls > 0 and all(r["tools/add/failures"] == 0 for r in rows if
-                             "tools/add/failures" in r), rows
-    assert all(r["tools/failure_frequency"] == 0.0 for r in rows if
-               "tools/failure_frequency" in r)
+    failures = sum(r.get("tools/add/failures", 0) for r in rows)
+    assert calls > 0 and failures <= 0.05 * calls, (calls, failures)  # the model knows add
+    assert all(r["tools/failure_frequency"] == pytest.approx(
+        r.get("tools/add/failures", 0) / r["tools/add/calls"]) if r.get("tools/add/calls")
+        else r["tools/failure_frequency"] == 0.0
+        for r in rows if "tools/failure_frequency" in r), rows
     assert all(r["tools/call_frequency"] > 0 for r in rows
                if r.get("tools/add/calls", 0) > 0 and "tools/call_frequency" in r), rows
     lat = [r["tools/add/latency_s"] for r in rows if "tools/add/latency_s" in r]
