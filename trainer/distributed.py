@@ -289,3 +289,10 @@ def _split(data: bytes) -> list[bytes]:
         out.append(data[at:at + ln])
         at += ln
     return out
+
+
+def rank_of(name: str | None) -> int:
+    """The rank a trainer process named ``trainer-<rank>`` is (0 without a name)."""
+    if name and name.rsplit("-", 1)[-1].isdigit():
+        return int(name.rsplit("-", 1)[-1])
+    return 0

@@ -29,10 +29,8 @@ A step whose loss or gradient norm is not finite is skipped (counted ``skipped_s
 logged, never published) and its groups are dead-lettered with the reason. A step that
 raises (one process) is logged and its groups are re-read from the pending list, so a
 group that keeps failing reaches ``dlq`` after ``max_deliveries``; in a multi-rank job
-the exception takes the job down (torchrun semantics) and the restart re-reads them. A
-step that ran out of GPU memory or hit a sticky CUDA error charges no group: the trainer
-stops with `pipeline.runtime.RoleFatal` (exit `FATAL_EXIT_CODE`), saying what to change
-(`trainer.gpu_errors`), since a replay would fail the same way.
+the exception takes the job down (torchrun semantics) and the restart re-reads them. An
+OOM or sticky CUDA error charges no group and stops the trainer (`trainer.gpu_errors`).
 
 LoRA runs (``[model.lora]``): the policy is the frozen base wrapped with a peft adapter;
 only the adapter trains, every version is published as an adapter, checkpoints hold the
@@ -78,6 +76,7 @@ from trainer.distributed import (
     StepHeader,
     compute_thread,
     full_state,
+    rank_of,
 )
 from trainer.fenced import arm, lost
 from trainer.gpu_errors import device_fatal
@@ -493,13 +492,6 @@ class Trainer:
         self.last = {k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}
         self.log_metrics(row)
         self.metrics.step(row, [trained_at - g.group.min_version for g in groups])
-
-
-def rank_of(name: str | None) -> int:
-    """The rank a trainer process named ``trainer-<rank>`` is (0 without a name)."""
-    if name and name.rsplit("-", 1)[-1].isdigit():
-        return int(name.rsplit("-", 1)[-1])
-    return 0
 
 
 async def main(cfg: Config, stop: asyncio.Event, name: str | None = None) -> None:

@@ -192,13 +192,21 @@ async def _sample(engine: VLLMEngine, version: int) -> list[list[Completion]]:
 
 
 def stage_vllm_reload(ctx: StageContext) -> dict[str, Any]:
+    return _on_a_server(ctx, "vllm", 0, [], _reload_checks)
+
+
+def _on_a_server(ctx: StageContext, name: str, gpu: int, extra_args: list[str],
+                 checks: Any) -> dict[str, Any]:
+    """``checks(url, key, model_dir, root, ctx)`` against a fresh server of the tiny model
+    on ``gpu``, in a temporary folder; the server stopped whatever happens."""
     py = _server_python(ctx)
-    with tempfile.TemporaryDirectory(prefix="sluice-gpu-check-vllm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"sluice-gpu-check-{name}-") as tmp:
         root = Path(tmp)
         model_dir = init_tiny_model(root / "served", seed=0, **MODEL_SHAPE)
-        server, key = _start_server(py, model_dir, ctx, root, gpu=0)
+        server, key = _start_server(py, model_dir, ctx, root, gpu=gpu,
+                                    extra_args=extra_args)
         try:
-            return asyncio.run(_reload_checks(server.url, key, model_dir, root, ctx))
+            return dict(asyncio.run(checks(server.url, key, model_dir, root, ctx)))
         finally:
             server.stop()
 
@@ -287,23 +295,15 @@ def stage_vllm_nccl(ctx: StageContext) -> dict[str, Any]:
     if importlib.util.find_spec("vllm") is None:
         raise Skipped("vLLM is not importable in the trainer's environment (the trainer "
                       "side of the push is vLLM's NCCL helpers)")
-    py = _server_python(ctx)
     from sluice.vllm_placement import NCCL_ARGS
 
-    with tempfile.TemporaryDirectory(prefix="sluice-gpu-check-nccl-") as tmp:
-        root = Path(tmp)
-        model_dir = init_tiny_model(root / "served", seed=0, **MODEL_SHAPE)
-        server, key = _start_server(py, model_dir, ctx, root, gpu=1,
-                                    extra_args=list(NCCL_ARGS))
-        try:
-            return asyncio.run(_nccl_checks(server.url, key, model_dir, root, ctx))
-        finally:
-            server.stop()
+    return _on_a_server(ctx, "nccl", 1, list(NCCL_ARGS), _nccl_checks)
 
 
 async def _nccl_checks(url: str, key: str, model_dir: Path, root: Path,
                        ctx: StageContext) -> dict[str, Any]:
-    from pipeline.weights.nccl import NCCLTransport, NCCLWeightSync
+    from pipeline.weights.nccl import NCCLWeightSync
+    from pipeline.weights.nccl_transport import NCCLTransport
 
     out: dict[str, Any] = {"serving_dtype": _serving_dtype(ctx)}
     served, updated = _served_and_updated(model_dir, ctx.device)

@@ -151,10 +151,14 @@ def update_info(state: Weights) -> dict[str, list[Any]]:
             "shapes": [list(t.shape) for _, t in pairs]}
 
 
-def planned_update_info(state: Weights, dtype: torch.dtype | None) -> dict[str, list[Any]]:
+def planned_update_info(state: Weights | torch.nn.Module, dtype: torch.dtype | None
+                        ) -> dict[str, list[Any]]:
     """`update_info` of what `pipeline.weights.shards.serving_items` (``state``, ``dtype``)
-    will yield, from names, shapes and dtypes alone: nothing is cast, so the push can
-    announce a version before its first tensor exists."""
+    will yield (``state`` a model, its state dict or pairs), from names, shapes and dtypes
+    alone: nothing is cast, so the push can announce a version before its first tensor
+    exists."""
+    if hasattr(state, "state_dict"):
+        state = state.state_dict()
     pairs = list(state.items() if isinstance(state, Mapping) else state)
     return {"names": [n for n, _ in pairs],
             "dtype_names": [str(dtype if dtype is not None and t.is_floating_point()

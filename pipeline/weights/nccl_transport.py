@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
-
 from pipeline.bus.schema import WeightsPublished
 from pipeline.weights.base import WeightSource, WeightTransport
 from pipeline.weights.file import FileTransport
@@ -65,8 +63,7 @@ class NCCLTransport(WeightTransport):
                 # what the store gets, cast one tensor at a time as it is sent: the
                 # GPU never holds a second, serving-dtype copy of the model
                 src = self.fallback.serving_source(source)
-                info = planned_update_info(src.state_dict() if isinstance(
-                    src, torch.nn.Module) else src, self.fallback.dtype)
+                info = planned_update_info(src, self.fallback.dtype)
                 stats["nccl_pause_s"] = await self.sync.push(
                     serving_items(src, self.fallback.dtype), version, info=info)
                 pushed = True
