@@ -158,6 +158,13 @@ def _deploy_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--http", action="append", default=[], metavar="URL",
                    help="the URL answers 200 (repeatable)")
     d.add_argument("--timeout", type=float, default=300.0, metavar="S")
+    d = dsub.add_parser("certs", help="make a private CA and the bundled Redis's TLS "
+                        "certificate (for deploy.redis_tls_dir)")
+    d.add_argument("out", metavar="DIR", help="folder to write ca.crt, ca.key, redis.crt, "
+                   "redis.key in (must not hold them)")
+    d.add_argument("--host", action="append", required=True, metavar="NAME",
+                   help="a DNS name or IP address the roles reach Redis at (repeatable)")
+    d.add_argument("--days", type=int, default=365, help="validity in days")
 
 
 SUBCOMMANDS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] = (
@@ -197,8 +204,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    """`sluice deploy render|wait`: a refused config exits 2 before anything is written
+    """`sluice deploy render|wait|certs`: a refused config exits 2 before anything is written
     (the caller's ConfigError path); a wait that times out exits 1."""
+    if args.deploy_cmd == "certs":
+        from sluice.deploy.certs import make_certs
+
+        written = make_certs(args.out, args.host, args.days)
+        print(f"wrote {', '.join(p.name for p in written)} in {args.out}: set "
+              f"deploy.redis_tls_dir = {str(args.out)!r} (keep ca.key off the cluster)")
+        return 0
     if args.deploy_cmd == "render":
         from sluice.deploy import render
 

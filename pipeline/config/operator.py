@@ -152,6 +152,12 @@ class DeployConfig(_Section):
     """Host memory of each vLLM server (0 = not requested)."""
     redis_memory_gib: float = Field(0.0, ge=0, le=65536)
     """Memory of the bundled Redis (0 = not requested)."""
+    redis_tls_dir: str = ""
+    """The bundled Redis serves TLS only (no plaintext port) with the ``ca.crt``,
+    ``redis.crt`` and ``redis.key`` of this folder (`sluice deploy certs` makes them), and
+    every role connects with ``rediss://``, checking the certificate and its host name;
+    the files travel as secrets (docs/deploying.md). "" = plain TCP. An external Redis
+    uses a rediss:// ``bus.redis_url`` and ``bus.tls_*`` instead."""
 
     @model_validator(mode="after")
     def _check(self) -> DeployConfig:
