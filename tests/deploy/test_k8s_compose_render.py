@@ -155,10 +155,11 @@ def _stages(dockerfile: Path) -> list[list[str]]:
     return stages
 
 
-def _env(stage: list[str], key: str) -> str | None:
+def _env(stage: list[str], key: str, kind: str = "ENV") -> str | None:
+    """The value ``stage`` gives ``key`` in its last ``kind`` (ENV or ARG) instruction."""
     value = None
     for ins in stage:
-        if ins.upper().startswith("ENV "):
+        if ins.upper().startswith(f"{kind} "):
             for part in shlex.split(ins[4:]):
                 k, _, v = part.partition("=")
                 if k == key:
@@ -169,11 +170,20 @@ def _env(stage: list[str], key: str) -> str | None:
 def test_the_gpu_image_keeps_the_kernels_setup_fetched_where_the_roles_look(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """setup.sh --gpu fetches the attention kernels with the `kernels` library, into its
-    cache (KERNELS_CACHE, else the HF hub cache). The build stage must fetch them into a
-    folder the final stage copies, the final stage must point the library at the same
-    folder, and that folder must not be under the volume mounted over /data (HF_HOME)."""
+    cache (KERNELS_CACHE, else the HF hub cache). A build has no GPU to ask, so the image
+    names every NVIDIA kernel ``auto`` can pick, and setup.sh downloads without loading
+    (no GPU needed). The build stage must fetch them into a folder the final stage
+    copies, the final stage must point the library at the same folder, and that folder
+    must not be under the volume mounted over /data (HF_HOME)."""
+    from pipeline.attention import DeviceProps, kernels_to_cache
+
     build, final = _stages(ROOT / "deploy" / "docker" / "Dockerfile.gpu")
     fetch = next(i for i, ins in enumerate(build) if "deploy/setup.sh --gpu" in ins)
+    named = set((_env(build[:fetch], "SLUICE_KERNELS", "ARG") or "").split())
+    for capability in ((8, 0), (8, 9), (9, 0), (10, 0), (12, 0)):
+        assert set(kernels_to_cache(DeviceProps("cuda", capability))) <= named, capability
+    setup = (ROOT / "deploy" / "setup.sh").read_text()
+    assert "install_kernel(" in setup and "get_kernel(" not in setup
     cache = _env(build[:fetch], "KERNELS_CACHE")
     assert cache, "the build stage fetches the kernels into the HF cache of root"
     assert _env(final, "KERNELS_CACHE") == cache
