@@ -31,14 +31,15 @@ REDIS_STORAGE = "10Gi"
 
 def ping_script(plan: Plan, *, loading_ok: bool) -> str:
     """``sh -c`` script: exit 0 when PING answers PONG (or ``LOADING`` when
-    ``loading_ok``), as the monitor user when the run has ACL users."""
+    ``loading_ok``), as the monitor user when the run has ACL users. No ``$(``: the
+    kubelet expands ``$(NAME)`` in an exec probe's command before the shell sees it."""
     d = plan.cfg.deploy
     cli = f"redis-cli -p {d.redis_port} ping"
     if d.acl:
         cli = ('REDISCLI_AUTH="$SLUICE_REDIS_MONITOR_PASSWORD" redis-cli --no-auth-warning '
                f'--user "$SLUICE_REDIS_MONITOR_USERNAME" -p {d.redis_port} ping')
-    ok = "PONG|LOADING*" if loading_ok else "PONG"
-    return f'out=$({cli} 2>&1); case "$out" in {ok}) exit 0 ;; esac; echo "$out"; exit 1'
+    ok = "grep -Eqx 'PONG|LOADING.*'" if loading_ok else "grep -qx PONG"
+    return f"{cli} 2>&1 | {ok}"
 
 
 def _probe(plan: Plan, *, loading_ok: bool, period_s: int, failures: int) -> dict[str, Any]:

@@ -24,6 +24,12 @@ Every Job: ``restartPolicy: Never`` (a failed pod is replaced by a new one, whic
 - with ``deploy.queue_name``, Kueue's queue label: Kueue admits a Job whole, which gangs
   a multi-node trainer's pods (plain Kubernetes schedules them one by one).
 
+A role stopped by SIGTERM (an eviction, a preemption, a drain) exits 0 after its orderly
+stop, which would make its pod Succeeded and its Job index done: never replaced, and a
+preempted trainer's Job complete. So each Job's container runs its command under
+`SUPERVISE_SH`, which passes SIGTERM (and SIGUSR2, the orderly end) on to it and turns
+the exit that follows a SIGTERM into 143; any other exit status passes through.
+
 The trainer (and Redis, `k8s_redis`) also get a PodDisruptionBudget of all their pods,
 so a drain waits for the run instead of evicting them, the annotations that keep the
 cluster autoscaler and Karpenter from consolidating their nodes, and
@@ -40,6 +46,15 @@ from sluice.deploy.k8s_pods import container, pod, resources, sidecar, wait
 from sluice.deploy.k8s_scaling import labels
 from sluice.deploy.plan import IMAGE_HOME, Plan, Proc
 
+SUPERVISE_SH = ('"$@" & child=$!; stopped=; '
+                "trap 'kill -USR2 $child' USR2; "
+                "trap 'stopped=1; kill -TERM $child' TERM INT; "
+                'while :; do wait "$child"; rc=$?; kill -0 "$child" 2>/dev/null || break; '
+                'done; if [ -n "$stopped" ] && [ "$rc" = 0 ]; then rc=143; fi; exit "$rc"')
+"""``sh -c SUPERVISE_SH NAME COMMAND...``: run COMMAND, pass SIGTERM, SIGINT and SIGUSR2 on
+(a trapped signal interrupts ``wait``, so it waits again while the child lives), and
+exit with its status, 143 in place of a 0 that followed a SIGTERM (module docstring).
+No ``$(``: the kubelet would expand it as a variable reference."""
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KEEP = {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false",
         "karpenter.sh/do-not-disrupt": "true"}
@@ -67,6 +82,11 @@ def failure_policy(main: str) -> dict[str, Any]:
          "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
         {"action": "FailJob", "onExitCodes": {"containerName": main, "operator": "In",
                                                "values": [FATAL_EXIT_CODE]}}]}
+
+
+def supervised(c: dict[str, Any]) -> dict[str, Any]:
+    """Container ``c`` with its command run under `SUPERVISE_SH`."""
+    return {**c, "command": ["sh", "-c", SUPERVISE_SH, c["name"], *c["command"]]}
 
 
 def job(plan: Plan, component: str, spec: dict[str, Any], count: int, *,
@@ -105,6 +125,8 @@ def _role_pod(plan: Plan, proc: Proc, restart: str) -> dict[str, Any]:
     main = container(plan, proc.role, image_for(plan, proc.gpus), proc.argv(CONFIG),
                      role=proc.role, metrics=True,
                      res=resources(proc.cpus, proc.gpus, memory_gib(proc.memory_gib, "role")))
+    if restart == "Never":  # a Job's
+        main = supervised(main)
     return pod(plan, [main], init, restart=restart, grace_s=d.grace_s)
 
 
@@ -147,7 +169,7 @@ def trainer(plan: Plan) -> list[dict[str, Any]]:
     main = container(plan, "trainer", image_for(plan, t.gpus), command, role="trainer",
                      metrics=True,
                      res=resources(t.cpus, t.gpus, memory_gib(t.memory_gib, "trainer")))
-    spec = pod(plan, [main], init, restart="Never", grace_s=d.trainer_grace_s)
+    spec = pod(plan, [supervised(main)], init, restart="Never", grace_s=d.trainer_grace_s)
     if d.trainer_nodes > 1:
         spec = {"subdomain": name, **spec}
     out = [job(plan, "trainer", spec, d.trainer_nodes, per_index=False, keep=True),

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -291,6 +293,73 @@ def test_roles_end_with_the_run_and_their_servers_with_them(
         "sluice-gsm8k-scorer"]
 
 
+CHILD = """
+import pathlib, signal, sys, time
+d = pathlib.Path(sys.argv[1])
+def on(name):
+    def handler(*_):
+        (d / name).write_text("1")
+        sys.exit(0)  # as a sluice role ends on SIGTERM: in order, status 0
+    return handler
+signal.signal(signal.SIGTERM, on("term"))
+signal.signal(signal.SIGUSR2, on("usr2"))
+if sys.argv[2] != "wait":
+    sys.exit(int(sys.argv[2]))
+(d / "ready").write_text("1")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_role_stopped_by_a_signal_fails_its_pod_so_the_job_replaces_it(
+        tmp_path: Path, creds: dict[str, Path]) -> None:
+    """A role ends in order on SIGTERM with status 0, which would make an evicted or
+    preempted pod Succeeded and its Job done (a preempted trainer never resumed). The
+    rendered command, run by sh with a stand-in for the role: its own exits pass through
+    (0 at the end of the run, 78), SIGTERM reaches it and the pod's status is 143,
+    SIGUSR2 (the orderly end) reaches it and its 0 stands."""
+    out = _render(tmp_path / "k", "k8s", creds, "copy")
+    jobs = _jobs(_docs(out))
+    wrappers = {j["spec"]["template"]["spec"]["containers"][0]["command"][2]
+                for j in jobs.values()}
+    assert len(jobs) == 4 and len(wrappers) == 1
+    trainer = jobs["sluice-copy-trainer"]["spec"]["template"]["spec"]["containers"][0]
+    assert trainer["command"][:2] == ["sh", "-c"]
+    assert trainer["command"][4:] == ["sluice", "train", "/etc/sluice/run.toml", "--set",
+                                      "metrics.host=$(POD_IP)"]
+    script = trainer["command"][2]
+    assert "$(" not in script  # the kubelet would expand it
+
+    def start(mode: str, where: Path) -> subprocess.Popen[bytes]:
+        """As a container's first process starts: every signal at its default (sluice.cli,
+        imported here, ignores SIGUSR2, and a shell cannot trap what it inherits ignored)."""
+        where.mkdir()
+        return subprocess.Popen(["sh", "-c", script, "trainer", sys.executable, "-c", CHILD,
+                                 str(where), mode],
+                                preexec_fn=lambda: signal.signal(signal.SIGUSR2, signal.SIG_DFL))
+
+    def ready(where: Path, proc: subprocess.Popen[bytes]) -> None:
+        deadline = time.monotonic() + 60
+        while not (where / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+
+    assert start("0", tmp_path / "ok").wait(60) == 0
+    assert start("78", tmp_path / "fatal").wait(60) == 78
+    for sig, mark, status in ((signal.SIGTERM, "term", 143), (signal.SIGUSR2, "usr2", 0)):
+        where = tmp_path / mark
+        proc = start("wait", where)
+        try:
+            ready(where, proc)
+            proc.send_signal(sig)
+            assert proc.wait(60) == status
+            assert (where / mark).exists()  # the role got the signal and stopped
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 SECCOMP = {"type": "RuntimeDefault"}
 
 
@@ -376,6 +445,8 @@ def test_the_redis_probes_ping_the_server_as_the_monitor(
     sts = next(o for o in _docs(out) if o["kind"] == "StatefulSet")
     redis = sts["spec"]["template"]["spec"]["containers"][0]
     assert [e["secretRef"]["name"] for e in redis["envFrom"]] == ["sluice-copy-monitor"]
+    for kind in ("readinessProbe", "livenessProbe"):  # the kubelet expands $(NAME) here
+        assert "$(" not in " ".join(_probe(redis, kind))
     env = dict(os.environ)
     for line in (out / "secrets" / "monitor.env").read_text().splitlines():
         k, _, v = line.partition("=")

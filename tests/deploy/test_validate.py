@@ -144,8 +144,9 @@ def test_k8s_builds_with_kustomize_and_validates(variant: str, tmp_path: Path,
         assert arch["spec"]["completions"] == arch["spec"]["parallelism"] == 1
         assert arch["spec"]["podReplacementPolicy"] == "Failed"
         main = arch["spec"]["template"]["spec"]["containers"][0]
-        assert main["command"][:4] == ["sluice", "archive", "/etc/sluice/run.toml", "--name"]
-        assert main["command"][4] == "archiver-0"
+        command = main["command"][4:]  # after `sh -c SUPERVISE_SH archiver`
+        assert command[:4] == ["sluice", "archive", "/etc/sluice/run.toml", "--name"]
+        assert command[4] == "archiver-0"
         refs = [e["secretRef"]["name"] for e in main["envFrom"]]
         assert refs == ["sluice-copy-archiver", "sluice-copy-s3"], refs
     if variant == "external-cluster-no-acl":
