@@ -85,7 +85,10 @@ if [ "$GPU" = 1 ]; then
   # model.attn_implementation = "auto" picks for this machine's GPU
   # (pipeline.attention.kernels_to_cache), plus SLUICE_KERNELS (more repos, spaces).
   # Each is fetched at the major version transformers loads it at (get_attn_kernel_version),
-  # which is also what the roles' start check loads offline (pipeline.attention).
+  # which is also what the roles' start check loads offline (pipeline.attention), into
+  # the kernels library's cache (KERNELS_CACHE, else the HF hub cache). Downloaded for
+  # this torch build's CUDA, not loaded: no GPU is needed, so an image build (which has
+  # none: deploy/docker/Dockerfile.gpu names its kernels in SLUICE_KERNELS) fetches them.
   .venv/bin/python -m pip install -q --no-compile -e ".[dev,gpu]"
   # vLLM's trainer-side NCCL helpers: its code only (cbor2 and pybase64 are what those
   # modules import beyond the trainer's packages); vllm==0.32.0 pins torch==2.13.0, the
@@ -95,10 +98,10 @@ if [ "$GPU" = 1 ]; then
   for k in $AUTO_KERNELS ${SLUICE_KERNELS:-}; do
     .venv/bin/python - "$k" <<'PY'
 import sys
-from kernels import get_kernel
+from kernels import install_kernel
 from transformers.integrations.hub_kernels import get_attn_kernel_version
 repo = sys.argv[1]
-get_kernel(repo, version=get_attn_kernel_version(repo))
+install_kernel(repo, version=get_attn_kernel_version(repo))
 PY
     echo "setup: kernel $k cached"
   done

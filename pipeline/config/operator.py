@@ -5,6 +5,7 @@ reads `deploy` to lay them out on a cluster; a role's behaviour never depends on
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -117,10 +118,11 @@ class DeployConfig(_Section):
     and compose keep ``metrics.port``."""
     service_monitor: bool = False
     """k8s: also render a Prometheus Operator ServiceMonitor for the roles' ``/metrics``."""
-    autoscale: bool = True
+    autoscale: bool = False
     """k8s: a KEDA ScaledObject scales the scorers' Deployment between scorers_min and
-    scorers_max on the lag of the `scorers` group on `rollouts` (one trigger per lane);
-    false: ``up.scorers`` replicas."""
+    scorers_max on the lag of the `scorers` group on `rollouts` (one trigger per lane;
+    needs KEDA installed: a cluster without its CRDs refuses the ScaledObject); false:
+    ``up.scorers`` scorers as a Job that ends with the run."""
     scorers_min: int = Field(1, ge=1, le=1000)
     """Fewest scorer replicas. At least 1: entries a killed scorer left pending are not
     lag, and only a running scorer reclaims them (after ``bus.claim_idle_ms``)."""
@@ -139,25 +141,56 @@ class DeployConfig(_Section):
     """Pod termination grace (k8s), stop_grace_period (compose), and how long the slurm
     job waits for the roles to exit after the trainer ends. A scorer stopped by SIGTERM
     finishes the groups it holds within it (so at least ``scoring.reward_timeout_s``)."""
+    trainer_grace_s: int = Field(600, ge=1, le=86_400)
+    """k8s, compose: the trainer's termination grace, in place of grace_s (a stopped
+    trainer writes its final checkpoint, which for a large model takes far longer than
+    the other roles' exit)."""
     storage_gib: int = Field(50, ge=1, le=1_000_000)
     """k8s: size of the ReadWriteMany volume every pod mounts at /data (run.output_dir,
     the weight store, the HF cache)."""
     storage_class: str = Field("", pattern=r"^$|^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
     """k8s: its storage class ("" = the cluster's default)."""
     trainer_memory_gib: float = Field(0.0, ge=0, le=65536)
-    """Memory of each trainer node/pod (0 = not requested)."""
+    """Memory of each trainer node/pod (0 = slurm: not requested; k8s, compose: 16)."""
     role_memory_gib: float = Field(0.0, ge=0, le=65536)
-    """Memory of each generator, scorer and evaluator process (0 = not requested)."""
+    """Memory of each generator, scorer and evaluator process (0 = slurm: not requested;
+    k8s, compose: 4)."""
     vllm_memory_gib: float = Field(0.0, ge=0, le=65536)
-    """Host memory of each vLLM server (0 = not requested)."""
+    """Host memory of each vLLM server (0 = slurm: not requested; k8s, compose: 16)."""
     redis_memory_gib: float = Field(0.0, ge=0, le=65536)
-    """Memory of the bundled Redis (0 = not requested)."""
+    """Memory of the bundled Redis (0 = slurm: not requested; k8s, compose: 4)."""
     redis_tls_dir: str = ""
     """The bundled Redis serves TLS only (no plaintext port) with the ``ca.crt``,
     ``redis.crt`` and ``redis.key`` of this folder (`sluice deploy certs` makes them), and
     every role connects with ``rediss://``, checking the certificate and its host name;
     the files travel as secrets (docs/deploying.md). "" = plain TCP. An external Redis
     uses a rediss:// ``bus.redis_url`` and ``bus.tls_*`` instead."""
+    shm_gib: float = Field(4.0, gt=0, le=65536)
+    """k8s, compose: the size of /dev/shm in each role's pod or container (a
+    memory-backed volume; the runtimes' default is 64 MB, too small for NCCL's shared
+    memory transport and vLLM's tensor-parallel workers). It counts against the pod's
+    memory as it is used."""
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
+    """k8s: every container's imagePullPolicy (compose: ``pull_policy`` missing, always
+    or never)."""
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    """k8s: Secrets of type kubernetes.io/dockerconfigjson in ``namespace`` (created by
+    you: docs/deploying.md) that every pod pulls its images with."""
+    queue_name: str = Field("", pattern=r"^$|^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
+    """k8s: a Kueue LocalQueue the run's Jobs are submitted to (the
+    ``kueue.x-k8s.io/queue-name`` label): Kueue admits each Job whole, so a multi-node
+    trainer's pods start together or not at all. "" = no Kueue."""
+    scheduler_name: str = Field("", pattern=r"^$|^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
+    """k8s: every pod's ``schedulerName`` ("" = the cluster's default scheduler)."""
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _check_secret_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?", name):
+                raise ValueError(f"{name!r} is not a Secret name (a lower-case DNS "
+                                 "subdomain)")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> DeployConfig:

@@ -12,6 +12,7 @@ replaced), so every role of the deployment reads one file, and per-role credenti
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,12 @@ def render_files(plan: Plan, data: Mapping[str, Any]) -> Rendered:
 
 def render(config: str | Path, overrides: Sequence[str], target: str, out: str | Path, *,
            force: bool = False) -> list[Path]:
-    """Check, render and write; nothing is written when any check fails."""
+    """Check, render and write; nothing is written when any check fails. The render's
+    notes go to stderr."""
     cfg = load_config(config, list(overrides))
     plan = make_plan(cfg, target)
     rendered = render_files(plan, raw_config(config, overrides))
-    return write_tree(out, rendered, force=force)
+    written = write_tree(out, rendered, force=force)
+    for note in rendered.notes:
+        print(f"sluice: note: {note}", file=sys.stderr)
+    return written

@@ -11,7 +11,13 @@ and started once they are healthy. Every role works in the named volume ``data``
 /data. Each role reads its own Redis user from ``secrets/<role>.env`` (``env_file``: the
 passwords are in no compose file and no argv). GPUs are handed out in order as
 ``device_ids`` (trainer, then servers and roles as they come), so no two services share
-one unless they are replicas of one service.
+one unless they are replicas of one service. Every service has a memory limit
+(``deploy.*_memory_gib``, `containers.memory_gib` when 0) and a CPU limit (its threads;
+a vLLM server: its front ends and engine), and every sluice service a /dev/shm of
+``deploy.shm_gib``; the trainer stops within ``deploy.trainer_grace_s`` (its final
+checkpoint), the others within ``deploy.grace_s``. No service restarts: a role that
+exits at the end of the run stays exited; the vLLM servers run until ``docker compose
+down`` (which keeps the named volumes, the run's data; ``down -v`` deletes them).
 """
 
 from __future__ import annotations
@@ -26,13 +32,23 @@ from sluice.deploy.containers import (
     ROLE_ENV,
     VLLM_CACHE,
     image_for,
+    memory_gib,
     probe_argv,
     redis_argv,
     redis_url,
+    vllm_cpus,
     wait_trainer_argv,
 )
 from sluice.deploy.files import Rendered, dump_yaml
-from sluice.deploy.plan import DATA_DIR, Plan, Proc, Server, credentials_env, needs_s3
+from sluice.deploy.plan import (
+    DATA_DIR,
+    Plan,
+    Proc,
+    Server,
+    credentials_env,
+    mem_mib,
+    needs_s3,
+)
 from sluice.deploy.runconfig import run_config
 
 
@@ -51,13 +67,30 @@ class _Gpus:
             {"driver": "nvidia", "device_ids": ids, "capabilities": ["gpu"]}]}}}}
 
 
-def _base(plan: Plan, image: str, command: list[str], role: str = "") -> dict[str, Any]:
+PULL_POLICY = {"IfNotPresent": "missing", "Always": "always", "Never": "never"}
+"""``deploy.image_pull_policy`` in compose's words."""
+WAIT_MEMORY_GIB = 0.25
+
+
+def _limits(plan: Plan, cpus: float, memory: float, shm: bool = True) -> dict[str, Any]:
+    """A service's CPU and memory limits (``memory`` in GiB, never 0) and its /dev/shm
+    (``deploy.shm_gib``; Docker's default is 64 MB)."""
+    out: dict[str, Any] = {"cpus": cpus, "mem_limit": f"{mem_mib(memory)}m"}
+    if shm:
+        out["shm_size"] = f"{mem_mib(plan.cfg.deploy.shm_gib)}m"
+    return out
+
+
+def _base(plan: Plan, image: str, command: list[str], role: str = "", *, cpus: float,
+          memory: float, grace_s: int = 0) -> dict[str, Any]:
     d = plan.cfg.deploy
     svc: dict[str, Any] = {
-        "image": image, "command": command, "working_dir": DATA_DIR,
+        "image": image, "pull_policy": PULL_POLICY[d.image_pull_policy],
+        "command": command, "working_dir": DATA_DIR,
         "environment": dict(ROLE_ENV),
         "volumes": ["data:/data", f"./run.toml:{CONFIG}:ro"],
-        "stop_grace_period": f"{d.grace_s}s",
+        "stop_grace_period": f"{grace_s or d.grace_s}s",
+        **_limits(plan, cpus, memory),
     }
     env_files: list[Any] = []
     if role and d.acl:
@@ -73,7 +106,8 @@ def _base(plan: Plan, image: str, command: list[str], role: str = "") -> dict[st
 
 def _server(plan: Plan, s: Server, gpus: _Gpus, after: dict[str, Any],
             netns: str | None) -> dict[str, Any]:
-    svc = _base(plan, image_for(plan, int(s.gpu)), s.argv)
+    svc = _base(plan, image_for(plan, int(s.gpu)), s.argv, cpus=vllm_cpus(s),
+                memory=memory_gib(plan.cfg.deploy.vllm_memory_gib, "vllm"))
     svc["environment"].update(s.env(VLLM_CACHE))
     svc["healthcheck"] = {"test": ["CMD", *probe_argv(s)], "interval": "5s",
                           "timeout": "5s",
@@ -95,7 +129,8 @@ def _with_servers(plan: Plan, proc: Proc, name: str, argv: list[str], gpus: _Gpu
         services[sname] = _server(plan, s, gpus, after, owner)
         owner = owner or sname
         deps[sname] = {"condition": "service_healthy"}
-    svc = _base(plan, image_for(plan, proc.gpus), argv, proc.role)
+    svc = _base(plan, image_for(plan, proc.gpus), argv, proc.role, cpus=proc.cpus,
+                memory=memory_gib(proc.memory_gib, "role"))
     svc["depends_on"] = deps
     if owner:
         svc["network_mode"] = f"service:{owner}"
@@ -112,25 +147,33 @@ def render(plan: Plan, data: Mapping[str, Any]) -> Rendered:
         vols = ["redis-data:/data"]
         if d.acl:
             vols.append(f"./secrets/users.acl:{REDIS_ACL}:ro")
-        services["redis"] = {"image": d.redis_image, "command": redis_argv(plan), "volumes": vols,
-                             "stop_grace_period": f"{d.grace_s}s"}
+        services["redis"] = {"image": d.redis_image,
+                             "pull_policy": PULL_POLICY[d.image_pull_policy],
+                             "command": redis_argv(plan), "volumes": vols,
+                             "stop_grace_period": f"{d.grace_s}s",
+                             **_limits(plan, 1, memory_gib(d.redis_memory_gib, "redis"),
+                                       shm=False)}
         trainer_after["redis"] = {"condition": "service_started"}
     if plan.builds_model:  # $$: compose's escape of a literal $
         services["prepare"] = _base(plan, d.image, [
-            "sh", "-c", INIT_MODEL_SH.replace("$", "$$"), cfg.model.path])
+            "sh", "-c", INIT_MODEL_SH.replace("$", "$$"), cfg.model.path], cpus=1,
+            memory=memory_gib(d.role_memory_gib, "role"))
         trainer_after["prepare"] = {"condition": "service_completed_successfully"}
     t = plan.trainer
-    trainer = _base(plan, image_for(plan, t.gpus), t.argv(CONFIG), "trainer")
+    trainer = _base(plan, image_for(plan, t.gpus), t.argv(CONFIG), "trainer", cpus=t.cpus,
+                    memory=memory_gib(t.memory_gib, "trainer"), grace_s=d.trainer_grace_s)
     if trainer_after:
         trainer["depends_on"] = trainer_after
     trainer.update(gpus.take(t.gpus))
     services["trainer"] = trainer
-    wait = _base(plan, d.image, wait_trainer_argv("evaluator"), "evaluator")
+    wait = _base(plan, d.image, wait_trainer_argv("evaluator"), "evaluator", cpus=1,
+                 memory=WAIT_MEMORY_GIB)
     wait["depends_on"] = {"trainer": {"condition": "service_started"}}
     services["wait-trainer"] = wait
     after = {"wait-trainer": {"condition": "service_completed_successfully"}}
     s = plan.scorers
-    scorers = _base(plan, image_for(plan, s.gpus), s.argv(CONFIG), "scorer")
+    scorers = _base(plan, image_for(plan, s.gpus), s.argv(CONFIG), "scorer", cpus=s.cpus,
+                    memory=memory_gib(s.memory_gib, "role"))
     scorers["depends_on"] = after
     scorers["deploy"] = {"replicas": s.count}
     if s.gpus:  # every replica gets the same GPU(s)
@@ -145,7 +188,8 @@ def render(plan: Plan, data: Mapping[str, Any]) -> Rendered:
                   services, after)
     if plan.archiver:  # one, under its fixed name: compose never scales it
         a = plan.archiver
-        archiver = _base(plan, d.image, a.argv(CONFIG), "archiver")
+        archiver = _base(plan, d.image, a.argv(CONFIG), "archiver", cpus=a.cpus,
+                         memory=memory_gib(a.memory_gib, "role"))
         archiver["depends_on"] = after
         services["archiver"] = archiver
     project = {"name": plan.name, "services": services,

