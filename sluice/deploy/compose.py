@@ -29,13 +29,15 @@ from sluice.deploy.containers import (
     CONFIG,
     INIT_MODEL_SH,
     REDIS_ACL,
+    REDIS_TLS_DIR,
     ROLE_ENV,
+    ROLE_TLS_DIR,
     VLLM_CACHE,
+    bus_settings,
     image_for,
     memory_gib,
     probe_argv,
     redis_argv,
-    redis_url,
     vllm_cpus,
     wait_trainer_argv,
 )
@@ -50,6 +52,7 @@ from sluice.deploy.plan import (
     needs_s3,
 )
 from sluice.deploy.runconfig import run_config
+from sluice.deploy.tls import ROLE_SECRET_DIR, SERVER_SECRET_DIR
 
 
 class _Gpus:
@@ -88,7 +91,9 @@ def _base(plan: Plan, image: str, command: list[str], role: str = "", *, cpus: f
         "image": image, "pull_policy": PULL_POLICY[d.image_pull_policy],
         "command": command, "working_dir": DATA_DIR,
         "environment": dict(ROLE_ENV),
-        "volumes": ["data:/data", f"./run.toml:{CONFIG}:ro"],
+        "volumes": ["data:/data", f"./run.toml:{CONFIG}:ro",
+                    *([f"./secrets/{ROLE_SECRET_DIR}:{ROLE_TLS_DIR}:ro"]
+                      if plan.tls and plan.tls.role_files else [])],
         "stop_grace_period": f"{grace_s or d.grace_s}s",
         **_limits(plan, cpus, memory),
     }
@@ -147,6 +152,8 @@ def render(plan: Plan, data: Mapping[str, Any]) -> Rendered:
         vols = ["redis-data:/data"]
         if d.acl:
             vols.append(f"./secrets/users.acl:{REDIS_ACL}:ro")
+        if plan.tls and plan.tls.serves:
+            vols.append(f"./secrets/{SERVER_SECRET_DIR}:{REDIS_TLS_DIR}:ro")
         services["redis"] = {"image": d.redis_image,
                              "pull_policy": PULL_POLICY[d.image_pull_policy],
                              "command": redis_argv(plan), "volumes": vols,
@@ -198,7 +205,9 @@ def render(plan: Plan, data: Mapping[str, Any]) -> Rendered:
     r.add("compose.yaml", dump_yaml(project, header=[
         f"Run {plan.run!r} on one host: rendered by `sluice deploy render --target compose`",
         "(docs/deploying.md); re-render instead of editing.  docker compose up -d"]))
-    r.add("run.toml", run_config(plan, data, {"bus.redis_url": redis_url(plan, "redis")}))
+    r.add("run.toml", run_config(plan, data, bus_settings(plan, "redis")))
+    if plan.tls:  # read by the containers' own users: the 0700 secrets/ keeps others out
+        plan.tls.add_secrets(r, mode=0o644)
     if d.acl:
         for role in plan.credentials:
             r.secret(f"{role}.env", credentials_env(plan, role))

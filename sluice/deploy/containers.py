@@ -12,6 +12,7 @@ and start order differs (`k8s`, `compose`).
 from __future__ import annotations
 
 from sluice.deploy.plan import DATA_DIR, Plan, Server
+from sluice.deploy.tls import check_names
 
 CONFIG_DIR = "/etc/sluice"
 CONFIG = f"{CONFIG_DIR}/run.toml"
@@ -23,6 +24,12 @@ VLLM_CACHE = f"{DATA_DIR}/.cache/vllm"
 REDIS_ACL_DIR = "/etc/redis"
 REDIS_ACL = f"{REDIS_ACL_DIR}/users.acl"
 """Where the bundled Redis's container finds the users.acl of the render."""
+ROLE_TLS_DIR = "/etc/sluice-tls"
+"""Where every role's container finds the render's ``secrets/tls`` (CA, client
+certificate): beside, not inside, the read-only config mount."""
+REDIS_TLS_DIR = "/etc/redis-tls"
+"""Where the bundled Redis's container finds ``secrets/redis-tls`` (its certificate and
+key, and the CA)."""
 ROLE_ENV = {"HF_HOME": HF_HOME, "PYTHONUNBUFFERED": "1"}
 """The variables every role's container starts with, in this order."""
 INIT_MODEL_SH = '[ -d "$0" ] || exec sluice init-model "$0"'
@@ -60,7 +67,10 @@ def redis_argv(plan: Plan) -> list[str]:
     ``deploy.acl`` (else no password and protected mode off: the network, the NetworkPolicy
     on k8s, is all that keeps others out)."""
     d = plan.cfg.deploy
-    argv = ["redis-server", "--port", str(d.redis_port), "--appendonly", "yes",
+    port = ["--port", str(d.redis_port)]
+    if plan.tls and plan.tls.serves:  # TLS only: no plaintext port
+        port = plan.tls.server_args(REDIS_TLS_DIR, d.redis_port)
+    argv = ["redis-server", *port, "--appendonly", "yes",
             "--appendfsync", "everysec", "--save", "", "--dir", "/data"]
     return argv + (["--aclfile", REDIS_ACL] if d.acl else ["--protected-mode", "no"])
 
@@ -69,8 +79,22 @@ def redis_url(plan: Plan, bundled_host: str) -> str:
     """``bus.redis_url`` of the rendered run.toml: the bundled Redis at ``bundled_host``
     (its Service or service name), or the external Redis's URL as given."""
     if plan.bundled:
-        return f"redis://{bundled_host}:{plan.cfg.deploy.redis_port}/0"
+        scheme = "rediss" if plan.tls else "redis"
+        return f"{scheme}://{bundled_host}:{plan.cfg.deploy.redis_port}/0"
     return plan.cfg.bus.redis_url
+
+
+def bus_settings(plan: Plan, bundled_host: str) -> dict[str, str]:
+    """The ``bus.*`` keys of the rendered run.toml: the URL and, with TLS, the files at
+    `ROLE_TLS_DIR`, where every role's container mounts ``secrets/tls``. The bundled
+    Redis's certificate must name ``bundled_host`` (checked here, at render time)."""
+    out = {"bus.redis_url": redis_url(plan, bundled_host)}
+    if plan.tls:
+        if plan.bundled:
+            check_names(plan.tls, (bundled_host,), f"the {plan.target} target's name for "
+                        "the bundled Redis")
+        out.update(plan.tls.role_settings(ROLE_TLS_DIR))
+    return out
 
 
 def wait_trainer_argv(role: str) -> list[str]:

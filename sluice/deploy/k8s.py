@@ -31,13 +31,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from sluice.deploy.containers import redis_url
+from sluice.deploy.containers import bus_settings
 from sluice.deploy.files import Rendered, dump_yaml
+from sluice.deploy.k8s_pods import tls_secret
 from sluice.deploy.k8s_redis import redis, redis_host
 from sluice.deploy.k8s_scaling import scaling_objects
 from sluice.deploy.k8s_workloads import meta, role_job, scaled_scorers, trainer
 from sluice.deploy.plan import Plan, credentials_env
 from sluice.deploy.runconfig import run_config
+from sluice.deploy.tls import ROLE_SECRET_DIR, SERVER_SECRET_DIR, check_names
 
 KUSTOMIZE_API = "kustomize.config.k8s.io/v1beta1"
 DATA = "data"
@@ -114,11 +116,20 @@ def render(plan: Plan, data: Mapping[str, Any]) -> Rendered:
     for path, docs in files.items():
         r.add(path, dump_yaml(*docs, header=head))
     r.notes.extend(image_notes(plan, [o for docs in files.values() for o in docs]))
-    url = redis_url(plan, f"{plan.name}-redis")
-    r.add("run.toml", run_config(plan, data, {"bus.redis_url": url,
+    if d.autoscale:  # KEDA's operator reaches Redis from its own namespace
+        check_names(plan.tls, (redis_host(plan),), "KEDA's address for it")
+    r.add("run.toml", run_config(plan, data, {**bus_settings(plan, f"{plan.name}-redis"),
                                               "metrics.port": d.metrics_port}))
     secrets = []
     plain = {"disableNameSuffixHash": True}
+    if plan.tls:
+        paths = plan.tls.add_secrets(r)
+        # `tls=enable`: KEDA's redis scalers read TLS from the TriggerAuthentication
+        secrets.append({"name": tls_secret(plan), "files": paths.get(ROLE_SECRET_DIR, []),
+                        "literals": ["tls=enable"], "options": plain})
+        if SERVER_SECRET_DIR in paths:
+            secrets.append({"name": f"{plan.name}-redis-tls",
+                            "files": paths[SERVER_SECRET_DIR], "options": plain})
     if d.acl:
         for role in plan.credentials:
             path = r.secret(f"{role}.env", credentials_env(plan, role))

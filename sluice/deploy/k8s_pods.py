@@ -29,6 +29,7 @@ from sluice.deploy.containers import (
     CONFIG_DIR,
     HF_HOME,
     ROLE_ENV,
+    ROLE_TLS_DIR,
     SHM,
     VLLM_CACHE,
     image_for,
@@ -63,15 +64,33 @@ def resources(cpus: float, gpus: int, memory: float) -> dict[str, Any]:
     return {"requests": {"cpu": str(cpus), "memory": mem}, "limits": lim}
 
 
+def _tls(plan: Plan) -> bool:
+    return bool(plan.tls and plan.tls.role_files)
+
+
+def mounts(plan: Plan) -> list[dict[str, Any]]:
+    """`MOUNTS`, and with TLS the roles' TLS files (`tls_secret`) at `ROLE_TLS_DIR`."""
+    tls = [{"name": "tls", "mountPath": ROLE_TLS_DIR, "readOnly": True}] if _tls(plan) else []
+    return [*MOUNTS, *tls]
+
+
+def tls_secret(plan: Plan) -> str:
+    """The Secret of ``secrets/tls`` (the CA, a client certificate), which every role
+    pod mounts and KEDA's TriggerAuthentication reads."""
+    return f"{plan.name}-tls"
+
+
 def volumes(plan: Plan) -> list[dict[str, Any]]:
-    """The volumes of `MOUNTS`: the run's data volume (its own kustomization, ``data/``),
-    the config (kustomize's generated, hashed ConfigMap: it rewrites this name), and
-    the two emptyDirs."""
+    """The volumes of `mounts`: the run's data volume (its own kustomization, ``data/``),
+    the config (kustomize's generated, hashed ConfigMap: it rewrites this name), the
+    two emptyDirs, and with TLS its Secret (group-readable: the pod's fsGroup)."""
     shm = f"{mem_mib(plan.cfg.deploy.shm_gib)}Mi"
+    tls = ([{"name": "tls", "secret": {"secretName": tls_secret(plan), "defaultMode": 0o440}}]
+           if _tls(plan) else [])
     return [{"name": "data", "persistentVolumeClaim": {"claimName": f"{plan.name}-data"}},
             {"name": "config", "configMap": {"name": f"{plan.name}-config"}},
             {"name": "scratch", "emptyDir": {}},
-            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}, *tls]
 
 
 def container(plan: Plan, name: str, image: str, command: list[str], *, role: str = "",
@@ -96,7 +115,7 @@ def container(plan: Plan, name: str, image: str, command: list[str], *, role: st
         env_from.append({"secretRef": {"name": f"{plan.name}-s3"}})
     if env_from:
         c["envFrom"] = env_from
-    c["volumeMounts"] = MOUNTS
+    c["volumeMounts"] = mounts(plan)
     c["resources"] = res
     c["securityContext"] = SECURE
     return c
@@ -118,7 +137,7 @@ def sidecar(plan: Plan, i: int, s: Server) -> dict[str, Any]:
             "imagePullPolicy": d.image_pull_policy, "restartPolicy": "Always",
             "workingDir": DATA_DIR, "command": s.argv,
             "env": [{"name": k, "value": val} for k, val in sorted(env.items())],
-            "volumeMounts": MOUNTS,
+            "volumeMounts": mounts(plan),
             "resources": resources(vllm_cpus(s), int(s.gpu),
                                    memory_gib(d.vllm_memory_gib, "vllm")),
             "startupProbe": _probe(s, 5, max(1, math.ceil(v.start_timeout_s / 5))),

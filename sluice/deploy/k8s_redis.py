@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.deploy.containers import REDIS_ACL_DIR, memory_gib, redis_argv
+from sluice.deploy.containers import REDIS_ACL_DIR, REDIS_TLS_DIR, memory_gib, redis_argv
 from sluice.deploy.k8s_pods import SECURE, pod, resources
 from sluice.deploy.k8s_scaling import labels
 from sluice.deploy.k8s_workloads import budget, meta, template
@@ -34,10 +34,11 @@ def ping_script(plan: Plan, *, loading_ok: bool) -> str:
     ``loading_ok``), as the monitor user when the run has ACL users. No ``$(``: the
     kubelet expands ``$(NAME)`` in an exec probe's command before the shell sees it."""
     d = plan.cfg.deploy
-    cli = f"redis-cli -p {d.redis_port} ping"
+    tls = "".join(f"{a} " for a in (plan.tls.cli_args(REDIS_TLS_DIR) if plan.tls else []))
+    cli = f"redis-cli {tls}-p {d.redis_port} ping"
     if d.acl:
         cli = ('REDISCLI_AUTH="$SLUICE_REDIS_MONITOR_PASSWORD" redis-cli --no-auth-warning '
-               f'--user "$SLUICE_REDIS_MONITOR_USERNAME" -p {d.redis_port} ping')
+               f'--user "$SLUICE_REDIS_MONITOR_USERNAME" {tls}-p {d.redis_port} ping')
     ok = "grep -Eqx 'PONG|LOADING.*'" if loading_ok else "grep -qx PONG"
     return f"{cli} 2>&1 | {ok}"
 
@@ -57,6 +58,10 @@ def redis(plan: Plan) -> list[dict[str, Any]]:
         mounts.append({"name": "acl", "mountPath": REDIS_ACL_DIR, "readOnly": True})
         volumes.append({"name": "acl", "secret": {"secretName": f"{plan.name}-redis-acl",
                                                  "defaultMode": 0o444}})
+    if plan.tls and plan.tls.serves:  # its certificate and key: no role pod mounts them
+        mounts.append({"name": "tls", "mountPath": REDIS_TLS_DIR, "readOnly": True})
+        volumes.append({"name": "tls", "secret": {"secretName": f"{plan.name}-redis-tls",
+                                                 "defaultMode": 0o440}})
     pvc: dict[str, Any] = {"accessModes": ["ReadWriteOnce"],
                            "resources": {"requests": {"storage": REDIS_STORAGE}}}
     if d.storage_class:

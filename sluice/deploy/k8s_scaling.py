@@ -11,7 +11,9 @@ scorers get about total lag / ``deploy.scorer_lag`` replicas, between
 pending; a running scorer reclaims them after ``bus.claim_idle_ms``) and
 ``deploy.scorers_max``. It reads as the run's `monitor` user (read only), through a
 TriggerAuthentication on that user's Secret. A Redis Cluster (``bus.cluster``) uses the
-``redis-cluster-streams`` scaler with the same fields.
+``redis-cluster-streams`` scaler with the same fields. With TLS the TriggerAuthentication
+also hands KEDA ``tls: enable`` and the CA (and a client certificate) from the roles'
+TLS Secret; KEDA checks the server's certificate against that CA.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ def triggers(plan: Plan, host: str) -> list[dict[str, Any]]:
         meta.update({"stream": stream, "consumerGroup": plan.group,
                      "lagCount": str(plan.lane_lag),
                      "activationLagCount": str(d.scorer_activation_lag)})
-        if cfg.redis_url.startswith("rediss:"):
-            meta["enableTLS"] = "true"
+        # TLS is the TriggerAuthentication's (`tls`, `ca`): KEDA refuses a trigger that
+        # also sets metadata.enableTLS
         trig: dict[str, Any] = {"type": kind, "name": f"lane-{i}", "metadata": meta}
-        if d.acl:
+        if d.acl or plan.tls:
             trig["authenticationRef"] = {"name": f"{plan.name}-keda"}
         out.append(trig)
     return out
@@ -57,16 +59,22 @@ def triggers(plan: Plan, host: str) -> list[dict[str, Any]]:
 def keda(plan: Plan, host: str) -> list[dict[str, Any]]:
     d = plan.cfg.deploy
     docs: list[dict[str, Any]] = []
+    refs: list[dict[str, str]] = []
     if d.acl:
         secret = f"{plan.name}-monitor"
+        refs += [{"parameter": "username", "name": secret,
+                  "key": "SLUICE_REDIS_MONITOR_USERNAME"},
+                 {"parameter": "password", "name": secret,
+                  "key": "SLUICE_REDIS_MONITOR_PASSWORD"}]
+    if plan.tls:  # the roles' TLS Secret: `tls` = enable, the CA, a client certificate
+        params = {"tls": "tls", "ca": "ca.crt", "cert": "client.crt", "key": "client.key"}
+        refs += [{"parameter": p, "name": f"{plan.name}-tls", "key": k}
+                 for p, k in params.items() if p == "tls" or k in plan.tls.role_files]
+    if refs:
         docs.append({"apiVersion": KEDA_API, "kind": "TriggerAuthentication",
                      "metadata": {"name": f"{plan.name}-keda",
                                   "labels": labels(plan, "scorer")},
-                     "spec": {"secretTargetRef": [
-                         {"parameter": "username", "name": secret,
-                          "key": "SLUICE_REDIS_MONITOR_USERNAME"},
-                         {"parameter": "password", "name": secret,
-                          "key": "SLUICE_REDIS_MONITOR_PASSWORD"}]}})
+                     "spec": {"secretTargetRef": refs}})
     docs.append({"apiVersion": KEDA_API, "kind": "ScaledObject",
                  "metadata": {"name": f"{plan.name}-scorer",
                               "labels": labels(plan, "scorer")},

@@ -36,6 +36,7 @@ from pipeline.bus.security import (
 from pipeline.config import Config, ConfigError
 from pipeline.hub import is_hub_id
 from sluice.acl import username
+from sluice.deploy.tls import DeployTLS, deploy_tls
 from sluice.vllm_launch import ServerSpec
 from sluice.vllm_placement import launches_eval_server
 
@@ -153,6 +154,7 @@ class Plan:
     credentials: dict[str, Credentials] = field(default_factory=dict)  # role -> its user
     acl_text: str = ""  # users.acl for a bundled Redis with ACL users
     archiver: Proc | None = None  # with archive.enabled: one, named ARCHIVER_NAME
+    tls: DeployTLS | None = None  # the Redis's TLS (sluice.deploy.tls); None: plain TCP
 
     @property
     def run(self) -> str:
@@ -234,7 +236,7 @@ def make_plan(cfg: Config, target: str) -> Plan:
                 generators=generators, scorers=scorers, evaluator=evaluator,
                 ranks_per_node=ranks_per_node, streams=tuple(lanes.streams("rollouts")),
                 group=SCORERS_GROUP, credentials=creds, acl_text=acl_text,
-                archiver=archiver)
+                archiver=archiver, tls=deploy_tls(cfg))
 
 
 def _server(cfg: Config, python: str, port: int) -> Server:

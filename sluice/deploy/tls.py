@@ -28,13 +28,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import Config, ConfigError
+from sluice.deploy.files import Rendered
 
-TLS_SECRET_DIR = "tls"
-"""The render's ``secrets/<this>/`` folder, and the name every target mounts it under."""
-
+ROLE_SECRET_DIR = "tls"
+"""The render's ``secrets/<this>/``: what every role mounts (``ca.crt``, ``client.*``)."""
+SERVER_SECRET_DIR = "redis-tls"
+"""The render's ``secrets/<this>/``: what only the bundled Redis mounts (``ca.crt``,
+``redis.crt``, ``redis.key``): no role ever holds the server's key."""
+ROLE_FILES = ("ca.crt", "client.crt", "client.key")
 BUNDLED_FILES = {"ca.crt": "CERTIFICATE", "redis.crt": "CERTIFICATE",
                  "redis.key": "PRIVATE KEY"}
-"""What ``deploy.redis_tls_dir`` must hold, and the PEM block each one starts with."""
+"""What ``deploy.redis_tls_dir`` must hold, and the PEM block each one starts with: the
+bundled Redis's files."""
+SERVER_FILES = tuple(BUNDLED_FILES)
+
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,28 @@ class DeployTLS:
 
     files: dict[str, str]
     serves: bool
+
+    @property
+    def role_files(self) -> dict[str, str]:
+        return {n: t for n, t in self.files.items() if n in ROLE_FILES}
+
+    @property
+    def server_files(self) -> dict[str, str]:
+        return {n: t for n, t in self.files.items() if n in SERVER_FILES} \
+            if self.serves else {}
+
+    def add_secrets(self, rendered: Rendered, mode: int = 0o600) -> dict[str, list[str]]:
+        """Write ``secrets/tls/`` and (a bundled Redis) ``secrets/redis-tls/`` into
+        ``rendered``; returns each folder's rendered paths (``mode`` 0644 where a
+        container's non-root user must read a bind mount: the 0700 ``secrets/`` folder
+        still keeps the host's other users out)."""
+        out: dict[str, list[str]] = {}
+        for folder, files in ((ROLE_SECRET_DIR, self.role_files),
+                              (SERVER_SECRET_DIR, self.server_files)):
+            if files:
+                out[folder] = [rendered.secret(f"{folder}/{n}", t, mode)
+                               for n, t in sorted(files.items())]
+        return out
 
     def role_settings(self, mount_dir: str) -> dict[str, str]:
         """The roles' ``bus.tls_*`` keys, at the folder's mount point ``mount_dir``."""
@@ -107,17 +136,19 @@ def _pem(path: Path, key: str, kind: str) -> str:
     return text
 
 
-def check_names(tls: DeployTLS | None, host: str, key: str) -> None:
-    """Refuse a bundled Redis's certificate that does not name ``host``, the address the
-    roles connect to (they always check it): at render time, not as every role's failed
-    handshake. ``key`` names what decides ``host`` in the message."""
+def check_names(tls: DeployTLS | None, hosts: tuple[str, ...], key: str) -> None:
+    """Refuse a bundled Redis's certificate that does not name every one of ``hosts``,
+    the addresses the roles (and KEDA) connect to and check: at render time, not as every
+    role's failed handshake. ``key`` says what decides ``hosts``, for the message."""
     if tls is None or not tls.serves:
         return
     names = certificate_names(tls.files["redis.crt"])
-    if host not in names:
+    missing = [h for h in hosts if h not in names]
+    if missing:
+        flags = " ".join(f"--host {h}" for h in hosts)
         raise ConfigError(f"deploy.redis_tls_dir: redis.crt names {sorted(names)}, not "
-                          f"{host!r} ({key}), the address the roles reach Redis at; make it "
-                          f"with `sluice deploy certs DIR --host {host}`")
+                          f"{missing[0]!r} ({key}), an address Redis is reached at; make it "
+                          f"with `sluice deploy certs DIR {flags}`")
 
 
 def certificate_names(pem: str) -> set[str]:

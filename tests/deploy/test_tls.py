@@ -93,9 +93,9 @@ def test_external_rediss_ships_the_ca_and_client_certificate(tmp_path: Path,
 
 def test_a_certificate_that_does_not_name_the_host_is_refused(certs: Path) -> None:
     tls = deploy_tls(_cfg(f"deploy.redis_tls_dir={certs}"))
-    check_names(tls, "sluice-copy-redis", "the Service's name")
-    with pytest.raises(ConfigError, match=r"not 'redis'.*--host redis"):
-        check_names(tls, "redis", "compose's service name")
+    check_names(tls, ("sluice-copy-redis", "127.0.0.1"), "the Service's name")
+    with pytest.raises(ConfigError, match=r"not 'redis'.*--host 127.0.0.1 --host redis`"):
+        check_names(tls, ("127.0.0.1", "redis"), "compose's service name")
 
 
 @pytest.mark.integration
