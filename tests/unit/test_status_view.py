@@ -255,3 +255,16 @@ def test_flow_splits_a_part_wider_than_a_line_and_cuts_nothing() -> None:
     lines = plain(fact("label", parts, 50))
     assert max(map(len, lines)) <= 50
     assert "".join("".join(x.split()) for x in lines) == "label" + "a" * 30 + "b" * 100 + "c"
+
+
+def test_the_readme_shows_a_quick_start_view_that_fits_80_columns() -> None:
+    """The README's quick start shows `sluice status` of a quick-start run at 80 columns,
+    as printed: it must stay a view that fits (every role, one line each, <= 80)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("## Quick start", 1)[1].split("\n```\nrun ", 1)[1].split("```")[0]
+    lines = ("run " + block).rstrip("\n").splitlines()
+    assert len(lines) <= 23 and max(map(len, lines)) <= 80, lines
+    for role in ("trainer", "generator", "scorer", "evaluator"):
+        assert any(x.startswith(role + "/") for x in lines), role
