@@ -17,7 +17,7 @@ Invariants, for any snapshot and any width >= `MIN_WIDTH`:
   id too long for it leaves its row's data to the next line; one longer than the whole
   width is split over lines, every character shown);
 - with ``height``, the header and the workers come first and fit in it whenever the
-  workers of each role can be folded to one line and a summary ("+ 14 more scorer ...",
+  workers of each role can be folded to one line and a summary ("+ 14 more scorers ...",
   the unhealthy ones kept in view); the waits and the leases follow where they fit.
 """
 
