@@ -95,6 +95,10 @@ def _status_args(p: argparse.ArgumentParser) -> None:
     _config_args(p, required=False)
     p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
     p.add_argument("--watch", type=float, default=0.0, metavar="S", help="refresh every S s")
+    p.add_argument("--wide", action="store_true",
+                   help="every worker and every counter, continued on indented lines where "
+                   "the terminal is too narrow (default: one line per worker, the counters "
+                   "the width takes)")
 
 
 def _audit_args(p: argparse.ArgumentParser) -> None:
@@ -408,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "status":
         from sluice.monitor import status_command
 
-        return status_command(cfg, args.json, args.watch)
+        return status_command(cfg, args.json, args.watch, args.wide)
     if args.cmd == "tail":
         from sluice.monitor import tail_command
 

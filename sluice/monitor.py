@@ -153,89 +153,12 @@ async def snapshot(bus: Bus) -> dict[str, Any]:
     }
 
 
-def render_status(snap: dict[str, Any], window: int | None = None) -> Any:
-    """A rich renderable of a snapshot."""
-    from rich.console import Group
-    from rich.table import Table
+def render_status(snap: dict[str, Any], window: int | None = None, **view: Any) -> Any:
+    """A rich renderable of a snapshot that fits the console it is printed on
+    (`sluice.status_view.StatusView`; ``view``: its other fields)."""
+    from sluice.status_view import StatusView
 
-    now = snap["t"]
-    st = snap["state"]
-    c = snap["conservation"]
-    head = Table.grid(padding=(0, 2))
-    gate = ""
-    if window is not None:
-        open_ = c["cursor"] - c["retired"] < window
-        gate = f"gate {'open' if open_ else 'CLOSED'} ({c['cursor'] - c['retired']}/{window})"
-    head.add_row(f"version [bold]{st.get('version', '-')}[/]", gate)
-    eq = (f"cursor {c['cursor']} == retired {c['retired']} + in_flight {c['in_flight']} "
-          f"(generating {c['generating']}; undecodable {c.get('undecodable', 0)} apart)  ->  "
-          + ("[green]balanced[/]" if c["balanced"] else "[red]NOT balanced[/]"))
-    head.add_row(eq, "retired: " + ", ".join(f"{r} {n}" for r, n in c["by_reason"].items()))
-
-    streams = Table(title="streams", title_justify="left")
-    for col in ("stream", "length", "group", "lag", "pending", "consumers (pending, idle)"):
-        streams.add_column(col)
-    for name in ("rollouts", "scored", "control", "dlq"):
-        length = snap["lengths"].get(name)
-        length = length if isinstance(length, int) else 0
-        g = next(((gn, gi) for gn, gi in snap["groups"].items() if gn.startswith(name + "/")),
-                 None)
-        if g is None:
-            streams.add_row(name, str(length), "", "", "", "")
-            continue
-        gname, gi = g
-        cons = ", ".join(f"{x['name']} ({x['pending']}, {x['idle'] / 1000:.1f}s)"
-                         for x in gi["consumers"])
-        streams.add_row(name, str(length), gname.split("/")[1], str(gi["lag"]),
-                        str(gi["pending"]), cons)
-        arch = snap["groups"].get(f"{name}/{ARCHIVERS_GROUP}")
-        if arch is not None:  # the archive's backlog: lag + pending
-            streams.add_row("", "", ARCHIVERS_GROUP, str(arch["lag"]), str(arch["pending"]),
-                            "(the archive's backlog)")
-
-    workers = Table(title="workers", title_justify="left")
-    for col in ("worker", "pid", "version", "healthy", "age", "metrics", "counters"):
-        workers.add_column(col)
-    for wid, w in sorted(snap["workers"].items()):
-        age = now - float(w.get("t", 0))
-        skip = {"pid", "host", "t", "version", "healthy", "started", "last", "part_sums",
-                "metrics", "waits"}
-        counters = " ".join(f"{k}={v}" for k, v in w.items()
-                            if k not in skip and not isinstance(v, dict | list))
-        eng = w.get("engine")
-        if isinstance(eng, dict) and "servers" in eng:  # vLLM: servers in rotation, caps
-            caps = ",".join(str(c) for c in eng.get("caps", {}).values())
-            counters += (f" servers_up={eng['servers_up']}/{eng['servers']} caps={caps}"
-                         f" retries={eng.get('retries', 0)}")
-        healthy = "exited" if w.get("exited") else ("yes" if w.get("healthy") else "NO")
-        workers.add_row(wid, str(w.get("pid")), str(w.get("version", "")), healthy,
-                        f"{age:.1f}s", str(w.get("metrics") or "-"), counters)
-    leases = Table(title="leases (admitted groups not yet appended)", title_justify="left")
-    for col in ("owner", "held", "oldest expires in"):
-        leases.add_column(col)
-    for owner, row in snap.get("leases", {}).items():
-        left = row["oldest_deadline_s"]
-        leases.add_row(owner, str(row["count"]), "-" if left is None else
-                       f"{left:.1f}s" if left >= 0 else f"[red]expired {-left:.1f}s ago[/]")
-    return Group(head, streams, workers, leases, waits_table(snap["workers"]))
-
-
-def waits_table(workers: dict[str, dict[str, Any]]) -> Any:
-    """The p50 / p99 of each role's waits at each hop, from their heartbeats
-    (`pipeline.metrics.RoleMetrics.wait_summary`): the admission wait of generators, the
-    queue waits rollouts -> scorer, scored -> trainer and scored -> archiver."""
-    from rich.table import Table
-
-    t = Table(title="waits per hop (last 2048 each)", title_justify="left")
-    for col in ("hop", "worker", "p50", "p99", "n"):
-        t.add_column(col)
-    names = {"admission": "admission (gate)", "rollouts": "rollouts -> scorer",
-             "scored": "scored -> {role}"}
-    for wid, w in sorted(workers.items()):
-        for hop, q in sorted((w.get("waits") or {}).items()):
-            label = names.get(hop, hop).format(role=wid.split("/", 1)[0])
-            t.add_row(label, wid, f"{q['p50']:.3f}s", f"{q['p99']:.3f}s", str(q["n"]))
-    return t
+    return StatusView(snap, window, **view)
 
 
 def describe(stream: str, msg: Any) -> str:
@@ -302,13 +225,19 @@ async def tail(bus: Bus, stream: str, *, from_start: bool = False, count: int | 
     return n
 
 
-def status_command(cfg: Config, as_json: bool, watch_s: float) -> int:
+def status_command(cfg: Config, as_json: bool, watch_s: float, wide: bool = False) -> int:
     """`sluice status`: one `snapshot` (as JSON, or rendered), or with ``watch_s`` a
     rendered one refreshed every ``watch_s`` seconds until Ctrl-C. Each look runs in an
     event loop of its own and so connects afresh (a bus belongs to the loop it was made
-    in)."""
+    in). The view fits the terminal (`sluice.status_view`: its width, and on a terminal
+    its height; ``COLUMNS`` / ``LINES`` override them); ``--watch`` keeps the looks of
+    the last `RATE_WINDOW_S` so rates are recent (`sluice.status_cells`)."""
+    from collections import deque
+
     from rich.console import Console
     from rich.live import Live
+
+    from sluice.status_cells import RATE_WINDOW_S, earlier_beats
 
     async def once() -> dict[str, Any]:
         async with connected(cfg, role="monitor") as bus:
@@ -318,13 +247,21 @@ def status_command(cfg: Config, as_json: bool, watch_s: float) -> int:
         print(json.dumps(asyncio.run(once()), default=str, indent=1))
         return 0
     console = Console()
+    view = {"heartbeat_s": cfg.bus.heartbeat_s, "run": cfg.run.name, "wide": wide,
+            "fit_height": console.is_terminal and not wide}
     if not watch_s:
-        console.print(render_status(asyncio.run(once()), cfg.trainer.window))
+        console.print(render_status(asyncio.run(once()), cfg.trainer.window, **view))
         return 0
+    history: deque[dict[str, Any]] = deque()
     with Live(console=console, auto_refresh=False) as live:
         try:
             while True:
-                live.update(render_status(asyncio.run(once()), cfg.trainer.window), refresh=True)
+                snap = asyncio.run(once())
+                while history and snap["t"] - history[0]["t"] > RATE_WINDOW_S + watch_s:
+                    history.popleft()
+                live.update(render_status(snap, cfg.trainer.window, **view,
+                                          earlier=earlier_beats(history, snap)), refresh=True)
+                history.append(snap)
                 time.sleep(watch_s)
         except KeyboardInterrupt:
             return 0

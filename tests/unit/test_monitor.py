@@ -19,8 +19,13 @@ def test_status_shows_servers_in_rotation_caps_and_an_unhealthy_generator() -> N
     console = Console(record=True, width=200)
     console.print(render_status(snap, window=16))
     text = console.export_text()
-    assert "servers_up=1/2 caps=128,160 retries=5" in text
-    assert "NO" in text and "groups=8" in text
+    assert "servers 1/2" in text and " NO " in text and "groups 8" in text
+    console = Console(record=True, width=80)  # an alert shows whatever the width
+    console.print(render_status(snap, window=16))
+    assert "servers 1/2" in console.export_text()
+    console = Console(record=True, width=200)
+    console.print(render_status(snap, window=16, wide=True))
+    assert "servers 1/2 caps 128,160 retries 5" in console.export_text()
 
 
 def test_lease_summary_counts_per_owner_with_the_oldest_deadline() -> None:
@@ -48,4 +53,4 @@ def test_status_lists_metrics_urls_and_leases() -> None:
     console.print(render_status(snap, window=16))
     text = console.export_text()
     assert "http://127.0.0.1:9101/metrics" in text
-    assert "generator/g0" in text and "41.5s" in text and "expired 3.0s ago" in text
+    assert "generator/g0" in text and "41.5s" in text and "EXPIRED 3.0s ago" in text
