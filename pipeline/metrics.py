@@ -39,6 +39,7 @@ import collections
 import contextlib
 import logging
 import math
+import re
 import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -129,6 +130,11 @@ SPECS: tuple[Spec, ...] = (
     Spec(Gauge, "batch_figure", "The last step's TRL-named figures (perf/mfu_fwd_bwd, "
          "perf/fwd_bwd_s, batch/*, sample/*, sampling/*; docs/metrics.md), by name",
          ("metric",)),
+    Spec(Counter, "batch_tool_calls", "Tool calls the generators ran, summed over the "
+         "trainer's steps (each step's tools/<name>/calls): rate() gives calls per second",
+         ("tool",)),
+    Spec(Counter, "batch_tool_failures", "Failed tool calls, summed over the trainer's "
+         "steps (each step's tools/<name>/failures)", ("tool",)),
     Spec(Histogram, "batch_staleness", "Versions between the weights a group was trained "
          "on and its oldest token, per trained group", buckets=VERSIONS),
     # eval_: evaluator
@@ -220,6 +226,10 @@ STEP_GAUGES = {"loss": "batch_loss", "grad_norm": "batch_grad_norm", "reward": "
 """Trainer step row (metrics.jsonl) key → the gauge that shows its last value."""
 FIGURE_PREFIXES = TRL_PREFIXES
 """Trainer step row keys shown on ``batch_figure{metric=<key>}`` (TRL's names)."""
+TOOL_COUNT = re.compile(r"tools/(.+)/(calls|failures)")
+"""Step row keys summed into ``batch_tool_calls`` / ``batch_tool_failures`` by tool: a
+step's own count is a delta since the previous step, mostly 0 between two heartbeats,
+so its gauge (``batch_figure``) is seldom caught non-zero by a scrape; the sum is."""
 
 
 def build(registry: CollectorRegistry) -> dict[str, Any]:
@@ -393,6 +403,10 @@ class RoleMetrics:
             if key.startswith(FIGURE_PREFIXES) and isinstance(v, int | float) \
                     and math.isfinite(v):
                 self.set("batch_figure", float(v), metric=key)
+        for key, v in row.items():  # the per-step deltas, summed: what a scrape sees
+            tool = TOOL_COUNT.fullmatch(key)  # whichever step it lands between
+            if tool and isinstance(v, int | float) and math.isfinite(v) and v >= 0:
+                self.child(f"batch_tool_{tool[2]}", tool=tool[1]).inc(float(v))  # 0: shown
         for s in staleness:
             self.observe("batch_staleness", s)
         self.observe("perf_step_seconds", float(row["step_time_s"]))

@@ -114,9 +114,11 @@ def test_sluice_up_runs_the_models_tool_calls_and_reports_them(
         wait_for(called, 240, lambda: f"a step row with tools/add/calls > 0 and one with "
                  f"non-zero advantages\n{_rows(out)[-2:]}\n{role_logs(out)}", interval_s=0.5)
 
-        def trainer_figures() -> dict[str, float] | None:
-            """The trainer's /metrics ``batch_figure`` gauges once it shows a step with
-            calls (the gauge is the last step's value: a later step may have none)."""
+        def trainer_metrics() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+            """The trainer's /metrics once its tool counter has counted calls. The counter
+            sums every step's ``tools/add/calls``: a step's own figure (its gauge) is a
+            delta, 0 in most steps (between two heartbeats), so a scrape seldom sees it
+            non-zero, and never when the scrapes keep step with the heartbeats."""
             nonlocal client
             if client is None:
                 client = redis.Redis(unix_socket_path=str(out / "redis" / "redis.sock"))
@@ -125,12 +127,13 @@ def test_sluice_up_runs_the_models_tool_calls_and_reports_them(
             if not urls or not urls[0]:
                 return None
             samples = scrape_metrics(urls[0])
-            figs = {dict(labels)["metric"]: v for (name, labels), v in samples.items()
-                    if name == "sluice_batch_figure"}
-            return figs if figs.get("tools/add/calls", 0) > 0 else None
+            calls = sum(v for (name, labels), v in samples.items()
+                        if name == "sluice_batch_tool_calls_total" and ("tool", "add") in labels)
+            return samples if calls > 0 else None
 
-        figs = wait_for(trainer_figures, 120, "the trainer's /metrics showing a step with "
-                        "tools/add/calls > 0", interval_s=0.5)
+        samples = wait_for(trainer_metrics, 120, "the trainer's /metrics counting calls of "
+                           "add (sluice_batch_tool_calls_total)", interval_s=0.5)
+        rows_then = _rows(out)
     finally:
         if client is not None:
             client.close()
@@ -143,11 +146,19 @@ def test_sluice_up_runs_the_models_tool_calls_and_reports_them(
             output, _ = up.communicate()
     assert up.returncode == 130, f"{output[-3000:]}\n{role_logs(out)}"  # interrupted
 
-    # failures per call, TRL's definition (a sampled call may be malformed: temperature
-    # 0.5 makes one rare, not impossible, and a slow machine samples thousands)
-    assert "tools/add/failures" in figs
-    assert figs["tools/failure_frequency"] == pytest.approx(
-        figs["tools/add/failures"] / figs["tools/add/calls"])
+    # the counters and the step figures in /metrics: the counter sums the rows' calls
+    # (rows written by then: it may lag the newest row, never lead the rows after it)
+    figures = {dict(labels)["metric"] for (name, labels) in samples
+               if name == "sluice_batch_figure"}
+    assert {"tools/add/calls", "tools/add/failures", "tools/failure_frequency"} <= figures
+    counted = {(name, dict(labels)["tool"]): v for (name, labels), v in samples.items()
+               if name.startswith("sluice_batch_tool_") and name.endswith("_total")}
+    assert set(counted) == {("sluice_batch_tool_calls_total", "add"),
+                            ("sluice_batch_tool_failures_total", "add")}, counted
+    assert 0 < counted["sluice_batch_tool_calls_total", "add"] <= sum(
+        r.get("tools/add/calls", 0) for r in _rows(out))
+    assert counted["sluice_batch_tool_calls_total", "add"] >= sum(
+        r.get("tools/add/calls", 0) for r in rows_then[:-1])
     rows = _rows(out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] >= 2 and summary["steps"] == rows[-1]["step"], summary

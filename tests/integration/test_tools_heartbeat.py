@@ -119,11 +119,19 @@ def test_tool_counters_ride_the_heartbeat_into_the_trainers_row(
     m.serve(MetricsConfig(port=_port()))
     assert m.url is not None
     try:
+        for row in (first, second, third):  # the counters sum the steps' deltas
+            m.step({"step": 2, "version": 2, "step_time_s": 0.1, "rollout_wait_s": 0.1,
+                    **row}, [0])
+        summed = scrape(m.url)
         m.step({"step": 2, "version": 2, "step_time_s": 0.1, "rollout_wait_s": 0.1,
                 **second}, [0])
         samples = scrape(m.url)
     finally:
         m.close()
+    for tool, kind, total in (("add", "calls", 6), ("add", "failures", 1),
+                              ("broken", "calls", 1), ("broken", "failures", 1)):
+        assert total == sum(r.get(f"tools/{tool}/{kind}", 0) for r in (first, second, third))
+        assert value(summed, f"sluice_batch_tool_{kind}_total", tool=tool) == total
     assert value(samples, "sluice_batch_figure", metric="tools/add/calls") == 3
     assert value(samples, "sluice_batch_figure", metric="tools/broken/failures") == 1
     assert value(samples, "sluice_batch_figure",
