@@ -169,6 +169,11 @@ def _deploy_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--host", action="append", required=True, metavar="NAME",
                    help="a DNS name or IP address the roles reach Redis at (repeatable)")
     d.add_argument("--days", type=int, default=365, help="validity in days")
+    d = dsub.add_parser("check-cert", help="exit 1, saying why, unless a certificate names "
+                        "a host (the Slurm job's check of the bundled Redis's, at start)")
+    d.add_argument("cert", metavar="FILE", help="a PEM certificate (redis.crt)")
+    d.add_argument("--host", required=True, metavar="NAME",
+                   help="the DNS name or IP address the roles reach Redis at")
 
 
 SUBCOMMANDS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] = (
@@ -208,14 +213,32 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    """`sluice deploy render|wait|certs`: a refused config exits 2 before anything is written
-    (the caller's ConfigError path); a wait that times out exits 1."""
+    """`sluice deploy render|wait|certs|check-cert`: a refused config exits 2 before
+    anything is written (the caller's ConfigError path); a wait that times out, or a
+    certificate that does not name the host, exits 1."""
     if args.deploy_cmd == "certs":
         from sluice.deploy.certs import make_certs
 
         written = make_certs(args.out, args.host, args.days)
         print(f"wrote {', '.join(p.name for p in written)} in {args.out}: set "
               f"deploy.redis_tls_dir = {str(args.out)!r} (keep ca.key off the cluster)")
+        return 0
+    if args.deploy_cmd == "check-cert":
+        from pathlib import Path
+
+        from sluice.deploy.tls import certificate_names
+
+        try:
+            names = certificate_names(Path(args.cert).read_text())
+        except (OSError, ValueError) as e:
+            print(f"sluice: cannot read the certificate {args.cert}: {e}", file=sys.stderr)
+            return 1
+        if args.host not in names:
+            print(f"sluice: {args.cert} names {sorted(names)}, not {args.host!r}, the "
+                  "address the roles reach Redis at; make it with `sluice deploy certs DIR "
+                  f"--host {args.host}` (one --host for every node that may be the job's "
+                  "first trainer node)", file=sys.stderr)
+            return 1
         return 0
     if args.deploy_cmd == "render":
         from sluice.deploy import render

@@ -108,6 +108,16 @@ class DeployConfig(_Section):
     """slurm: partition of the generators' component ("" = ``partition``)."""
     time_limit_min: int = Field(0, ge=0, le=525_600)
     """slurm: the job's time limit in minutes (0 = the partition's)."""
+    exclusive: bool = True
+    """slurm: every node of the job is the job's alone (``--exclusive``): its fixed ports
+    (redis_port, vllm_port, rendezvous_port) and GPUs cannot meet another job's. False
+    shares nodes; give each such job its own ports."""
+    requeue: bool = True
+    """slurm: the job may be requeued (``--requeue``: preemption, a node failure,
+    ``scontrol requeue``) and requeues itself when it is told to stop before the run
+    ends (the warning ``--signal`` sends ``trainer_grace_s + grace_s`` before the time
+    limit); the next attempt resumes from the newest checkpoint, Redis from its AOF, and
+    every log gets the attempt appended, not overwritten."""
     rendezvous_port: int = Field(29400, ge=1, le=65535)
     """torchrun's c10d rendezvous port on the trainer's first node (trainer_ranks > 1)."""
     vllm_port: int = Field(8000, ge=1, le=65000)
@@ -144,21 +154,22 @@ class DeployConfig(_Section):
     trainer_grace_s: int = Field(600, ge=1, le=86_400)
     """k8s, compose: the trainer's termination grace, in place of grace_s (a stopped
     trainer writes its final checkpoint, which for a large model takes far longer than
-    the other roles' exit)."""
+    the other roles' exit). slurm: the job is told to stop (SIGTERM to its script)
+    ``trainer_grace_s + grace_s`` before its time limit, so that checkpoint is written."""
     storage_gib: int = Field(50, ge=1, le=1_000_000)
     """k8s: size of the ReadWriteMany volume every pod mounts at /data (run.output_dir,
     the weight store, the HF cache)."""
     storage_class: str = Field("", pattern=r"^$|^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
     """k8s: its storage class ("" = the cluster's default)."""
     trainer_memory_gib: float = Field(0.0, ge=0, le=65536)
-    """Memory of each trainer node/pod (0 = slurm: not requested; k8s, compose: 16)."""
+    """Memory of each trainer node/pod (0 = 16)."""
     role_memory_gib: float = Field(0.0, ge=0, le=65536)
-    """Memory of each generator, scorer and evaluator process (0 = slurm: not requested;
-    k8s, compose: 4)."""
+    """Memory of each generator, scorer and evaluator process (0 = 4)."""
     vllm_memory_gib: float = Field(0.0, ge=0, le=65536)
-    """Host memory of each vLLM server (0 = slurm: not requested; k8s, compose: 16)."""
+    """Host memory of each vLLM server (0 = 16)."""
     redis_memory_gib: float = Field(0.0, ge=0, le=65536)
-    """Memory of the bundled Redis (0 = slurm: not requested; k8s, compose: 4)."""
+    """Memory of the bundled Redis (0 = 4). Slurm asks each node for the sum of what
+    runs on it (``--mem``), and a step with a GPU is given its own share."""
     redis_tls_dir: str = ""
     """The bundled Redis serves TLS only (no plaintext port) with the ``ca.crt``,
     ``redis.crt`` and ``redis.key`` of this folder (`sluice deploy certs` makes them), and

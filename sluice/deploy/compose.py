@@ -35,10 +35,8 @@ from sluice.deploy.containers import (
     VLLM_CACHE,
     bus_settings,
     image_for,
-    memory_gib,
     probe_argv,
     redis_argv,
-    vllm_cpus,
     wait_trainer_argv,
 )
 from sluice.deploy.files import Rendered, dump_yaml
@@ -49,7 +47,9 @@ from sluice.deploy.plan import (
     Server,
     credentials_env,
     mem_mib,
+    memory_gib,
     needs_s3,
+    vllm_cpus,
 )
 from sluice.deploy.runconfig import run_config
 from sluice.deploy.tls import ROLE_SECRET_DIR, SERVER_SECRET_DIR

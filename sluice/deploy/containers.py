@@ -39,23 +39,6 @@ TRAINER_WAIT_S = 3600
 SHM = "/dev/shm"
 """Shared memory (NCCL's intra-node transport, vLLM's tensor-parallel workers): sized by
 ``deploy.shm_gib`` on both targets, far above the runtimes' 64 MB default."""
-MEMORY_DEFAULT_GIB = {"trainer": 16.0, "role": 4.0, "vllm": 16.0, "redis": 4.0}
-"""What a container gets (request = limit on k8s, ``mem_limit`` on compose) when its
-``deploy.*_memory_gib`` key is 0: a container without a limit is the first the kernel
-kills under memory pressure, and a node full of them is overcommitted."""
-
-
-def memory_gib(value_gib: float, kind: str) -> float:
-    """``value_gib`` (a ``deploy.*_memory_gib`` key), or `MEMORY_DEFAULT_GIB` [``kind``]
-    when it is 0."""
-    return value_gib or MEMORY_DEFAULT_GIB[kind]
-
-
-def vllm_cpus(server: Server) -> int:
-    """CPUs a vLLM server keeps busy: each HTTP front end, and the engine's process."""
-    return server.spec.api_server_count + 1
-
-
 def image_for(plan: Plan, gpus: int) -> str:
     """The GPU image (``deploy.gpu_image``) for a process that asks for a GPU, the plain
     one (``deploy.image``) otherwise."""

@@ -33,12 +33,10 @@ from sluice.deploy.containers import (
     SHM,
     VLLM_CACHE,
     image_for,
-    memory_gib,
     probe_argv,
-    vllm_cpus,
     wait_trainer_argv,
 )
-from sluice.deploy.plan import DATA_DIR, Plan, Server, mem_mib, needs_s3
+from sluice.deploy.plan import DATA_DIR, Plan, Server, mem_mib, memory_gib, needs_s3, vllm_cpus
 
 UID = 1000
 SCRATCH = "/tmp"

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.deploy.containers import REDIS_ACL_DIR, REDIS_TLS_DIR, memory_gib, redis_argv
+from sluice.deploy.containers import REDIS_ACL_DIR, REDIS_TLS_DIR, redis_argv
 from sluice.deploy.k8s_pods import SECURE, pod, resources
 from sluice.deploy.k8s_scaling import labels
 from sluice.deploy.k8s_workloads import budget, meta, template
-from sluice.deploy.plan import Plan
+from sluice.deploy.plan import Plan, memory_gib
 
 REDIS_UID = 999  # the official redis image's user
 REDIS_STORAGE = "10Gi"

@@ -41,10 +41,10 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.runtime import FATAL_EXIT_CODE
-from sluice.deploy.containers import CONFIG, INIT_MODEL_SH, image_for, memory_gib
+from sluice.deploy.containers import CONFIG, INIT_MODEL_SH, image_for
 from sluice.deploy.k8s_pods import container, pod, resources, sidecar, wait
 from sluice.deploy.k8s_scaling import labels
-from sluice.deploy.plan import IMAGE_HOME, Plan, Proc
+from sluice.deploy.plan import IMAGE_HOME, Plan, Proc, memory_gib
 
 SUPERVISE_SH = ('"$@" & child=$!; stopped=; '
                 "trap 'kill -USR2 $child' USR2; "

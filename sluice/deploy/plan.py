@@ -370,6 +370,24 @@ def _credentials(cfg: Config) -> tuple[dict[str, Credentials], str]:
     return {r: creds[r] for r in deploy_roles(cfg)}, acl
 
 
+MEMORY_DEFAULT_GIB = {"trainer": 16.0, "role": 4.0, "vllm": 16.0, "redis": 4.0}
+"""What a container gets (request = limit on k8s, ``mem_limit`` on compose) when its
+``deploy.*_memory_gib`` key is 0 (slurm: what a step is given and its node is asked
+for): a container without a limit is the first the kernel
+kills under memory pressure, and a node full of them is overcommitted."""
+
+
+def memory_gib(value_gib: float, kind: str) -> float:
+    """``value_gib`` (a ``deploy.*_memory_gib`` key), or `MEMORY_DEFAULT_GIB` [``kind``]
+    when it is 0."""
+    return value_gib or MEMORY_DEFAULT_GIB[kind]
+
+
+def vllm_cpus(server: Server) -> int:
+    """CPUs a vLLM server keeps busy: each HTTP front end, and the engine's process."""
+    return server.spec.api_server_count + 1
+
+
 def mem_mib(gib: float) -> int:
     """``gib`` GiB in MiB, rounded up: Slurm's ``--mem`` unit, k8s's ``Mi``."""
     return math.ceil(gib * 1024)

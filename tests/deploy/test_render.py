@@ -245,8 +245,8 @@ SLURM_PLANS = {  # (example, --set overrides): the branches of the script's temp
         "deploy.time_limit_min=120", "deploy.role_memory_gib=2.5"]),
     "vLLM and LoRA over two generator nodes": ("gsm8k", [
         "up.generators=2", "generation.vllm.launch=2", "deploy.generator_nodes=2",
-        "model.lora.rank=8", "up.trainer_ranks=2", "deploy.evaluator_with=generators",
-        "deploy.scorers_with=generators"]),
+        "model.lora.rank=8", "up.trainer_ranks=2", "deploy.scorers_with=generators",
+        "deploy.exclusive=false", "deploy.requeue=false"]),
 }
 
 
@@ -270,6 +270,7 @@ def test_every_branch_of_the_slurm_template_renders_a_script_bash_parses(
     for line, after in itertools.pairwise(lines):
         if line.endswith("\\"):
             assert after.startswith("  "), (line, after)
-    if "torchrun" in plan:
-        assert "srun --het-group=0 --nodes=2 --ntasks-per-node=1 --overlap" in script
-        assert "--nproc-per-node=2" in script and "--gpus-per-node=2 \\" in script
+    if "torchrun" in plan:  # GPU ranks: their own GPUs and memory, never --overlap
+        assert "srun --het-group=0 --nodes=2 --ntasks-per-node=1 --exact --cpus-per-task=" \
+            in script
+        assert "--nproc-per-node=2" in script and "--gpus-per-node=2 --mem=16384 \\" in script
