@@ -123,7 +123,7 @@ def test_template_renders_one_user_per_role_with_hashed_passwords() -> None:
     passwords = {r: f"pw-{r}" for r in ROLES}
     text = render(TEMPLATE.read_text(), Keys("demo").prefix, passwords)
     lines = text.splitlines()
-    assert lines[0] == "user default reset off"
+    assert lines[0] == "user default reset off ~* &* +@all"  # off; the AOF's replay user
     users = [line.split()[1] for line in lines[1:]]
     assert users == [username(r) for r in ROLES]
     for role, line in zip(ROLES, lines[1:], strict=True):
