@@ -10,7 +10,9 @@ is placed "generators".
 
 Every process is one ``srun`` step pinned to a node, with its log in
 ``<output_dir>/logs`` (appended to: each attempt of a requeued job adds a banner and its
-lines). A step without a GPU runs ``--overlap`` (the component's CPUs and memory are
+lines), but Redis: a child of the script itself on the head node, so that the steps can
+be stopped (``scancel --signal=TERM``: srun answers its own SIGTERM by killing its step
+at once, before a trainer could checkpoint) while Redis serves until the trainer is done. A step without a GPU runs ``--overlap`` (the component's CPUs and memory are
 sized to the sum of its processes, which then share them); a step with GPUs never does,
 because ``--overlap`` shares GRES too: it asks for ``--exact --gpus=N`` and its own
 ``--mem``, so Slurm gives every GPU step devices no other step holds. Every node of a

@@ -128,8 +128,13 @@ def test_the_job_stops_in_order_requeues_and_keeps_every_attempts_logs(
     assert "trap on_term TERM" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
     launcher = re.search(r"exec srun [^\n]*\n[^\n]*", script)[0]  # type: ignore[index]
     assert "--open-mode=append" in launcher
-    # Redis is stopped after the trainer has exited, never before
-    assert script.index('wait_for "$TRAINER_PID"') < script.index('kill -TERM "$(cat')
+    # the steps are told through Slurm (srun answers its own SIGTERM by killing its step
+    # at once: no checkpoint), and Redis, not a step, is stopped after the trainer exits
+    assert 'stop_steps() { scancel --signal=TERM "$SLURM_JOB_ID"' in script
+    assert not re.search(r'kill -TERM "\$(p|TRAINER_PID)"', script), script
+    redis = next(ln for ln in script.splitlines() if "redis-server" in ln)
+    assert redis.startswith("redis-server ") and "srun" not in redis
+    assert script.index('wait_for "$TRAINER_PID"') < script.index('kill -TERM "$REDIS_PID"')
     off = _sbatch(_script(tmp_path / "off", creds, "copy", "deploy.requeue=false",
                           "deploy.exclusive=false"))[0]
     assert "--requeue" not in off and "--exclusive" not in off
@@ -165,7 +170,7 @@ def test_bundled_tls_serves_only_tls_checks_the_name_and_ships_the_files(
     script = (out / "sluice.sbatch").read_text()
     assert 'REDIS_URL="rediss://$HEAD_HOST:$REDIS_PORT/0"' in script
     assert '--set "bus.tls_ca_file=$SECRETS/tls/ca.crt"' in script
-    redis = next(s for s in _steps(script) if " redis - " in s)
+    redis = next(ln for ln in script.splitlines() if ln.startswith("redis-server "))
     assert '--port 0 --tls-port "$REDIS_PORT"' in redis
     assert '--tls-key-file "$SECRETS/redis-tls/redis.key"' in redis
     assert 'deploy check-cert "$SECRETS/redis-tls/redis.crt" --host "$HEAD_HOST"' in script
