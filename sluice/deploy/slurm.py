@@ -12,7 +12,9 @@ Every process is one ``srun`` step pinned to a node, with its log in
 ``<output_dir>/logs`` (appended to: each attempt of a requeued job adds a banner and its
 lines), but Redis: a child of the script itself on the head node, so that the steps can
 be stopped (``scancel --signal=TERM``: srun answers its own SIGTERM by killing its step
-at once, before a trainer could checkpoint) while Redis serves until the trainer is done. A step without a GPU runs ``--overlap`` (the component's CPUs and memory are
+at once, before a trainer could checkpoint) while Redis serves until the trainer is done.
+
+A step without a GPU runs ``--overlap`` (the component's CPUs and memory are
 sized to the sum of its processes, which then share them); a step with GPUs never does,
 because ``--overlap`` shares GRES too: it asks for ``--exact --gpus=N`` and its own
 ``--mem``, so Slurm gives every GPU step devices no other step holds. Every node of a
@@ -263,6 +265,18 @@ def _tls(plan: Plan) -> dict[str, Any] | None:
             "bus": " ".join(f"--set {dq(f'{k}={v}')}" for k, v in sorted(roles.items()))}
 
 
+def _vllm_python(plan: Plan) -> str:
+    """The vLLM servers' python unless ``SLUICE_VLLM_PYTHON`` names one: beside the sluice
+    virtualenv (``$SLUICE_VENV``'s folder, where `deploy/setup.sh --vllm` puts
+    ``.venv-vllm``) while ``generation.vllm.python`` is its default, else that key."""
+    from pipeline.config.generation import VLLMConfig
+
+    python = plan.cfg.generation.vllm.python
+    if python == VLLMConfig.model_fields["python"].default:
+        return f'$(dirname "$SLUICE_VENV")/{python}'
+    return shlex.quote(python)
+
+
 def script(plan: Plan) -> str:
     """The sbatch script of ``plan`` (the module docstring says what it runs)."""
     cfg, d = plan.cfg, plan.cfg.deploy
@@ -275,7 +289,7 @@ def script(plan: Plan) -> str:
         exclusive=d.exclusive, requeue=d.requeue, stop_s=d.trainer_grace_s + d.grace_s,
         run_dir=shlex.quote(cfg.run.output_dir), bundled=plan.bundled,
         redis_port=d.redis_port, redis_url=shlex.quote(cfg.bus.redis_url), acl=d.acl,
-        tls=_tls(plan), vllm_python=shlex.quote(cfg.generation.vllm.python),
+        tls=_tls(plan), vllm_python=_vllm_python(plan),
         init_model=q(cfg.model.path) if plan.builds_model else "",
         trainer=t, torchrun=_torchrun(plan),
         trainer_opts=step_opts(t.cpus, t.gpus, memory_gib(t.memory_gib, "trainer")),

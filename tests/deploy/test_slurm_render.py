@@ -155,8 +155,14 @@ def test_redis_binds_what_the_other_nodes_resolve_the_head_to(
 
 def test_vllm_servers_run_the_python_given_at_submit_time(
         tmp_path: Path, creds: dict[str, Path]) -> None:
+    """A vLLM server runs ``$SLUICE_VLLM_PYTHON``, else the ``.venv-vllm`` beside
+    ``$SLUICE_VENV`` (where deploy/setup.sh puts it), else a python the config names."""
     script = _script(tmp_path, creds, *GPU_PLAN)
-    assert "VLLM_PY=${SLUICE_VLLM_PYTHON:-.venv-vllm/bin/python}" in script
+    assert 'VLLM_PY=${SLUICE_VLLM_PYTHON:-$(dirname "$SLUICE_VENV")/.venv-vllm/bin/python}' \
+        in script
+    own = _script(tmp_path / "own", creds, *GPU_PLAN,
+                  "generation.vllm.python=/opt/vllm env/bin/python")
+    assert "VLLM_PY=${SLUICE_VLLM_PYTHON:-'/opt/vllm env/bin/python'}" in own
     servers = [s for s in _steps(script) if " vllm-" in s]
     assert servers and all(re.search(r' -- +env .* "\$VLLM_PY" -m ', s) for s in servers)
 
