@@ -373,8 +373,8 @@ def _credentials(cfg: Config) -> tuple[dict[str, Credentials], str]:
 MEMORY_DEFAULT_GIB = {"trainer": 16.0, "role": 4.0, "vllm": 16.0, "redis": 4.0}
 """What a container gets (request = limit on k8s, ``mem_limit`` on compose) when its
 ``deploy.*_memory_gib`` key is 0 (slurm: what a step is given and its node is asked
-for): a container without a limit is the first the kernel
-kills under memory pressure, and a node full of them is overcommitted."""
+for): a container without a limit is the first the kernel kills under memory pressure,
+and a node full of them is overcommitted."""
 
 
 def memory_gib(value_gib: float, kind: str) -> float:

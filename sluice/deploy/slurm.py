@@ -53,6 +53,7 @@ from typing import Any
 import jinja2
 
 from pipeline.config import ConfigError
+from pipeline.config.generation import VLLMConfig
 from sluice.deploy.files import Rendered
 from sluice.deploy.plan import (
     ARCHIVER_NAME,
@@ -269,8 +270,6 @@ def _vllm_python(plan: Plan) -> str:
     """The vLLM servers' python unless ``SLUICE_VLLM_PYTHON`` names one: beside the sluice
     virtualenv (``$SLUICE_VENV``'s folder, where `deploy/setup.sh --vllm` puts
     ``.venv-vllm``) while ``generation.vllm.python`` is its default, else that key."""
-    from pipeline.config.generation import VLLMConfig
-
     python = plan.cfg.generation.vllm.python
     if python == VLLMConfig.model_fields["python"].default:
         return f'$(dirname "$SLUICE_VENV")/{python}'

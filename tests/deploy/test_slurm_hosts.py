@@ -16,23 +16,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.deploy.slurm_cluster import SlurmCluster
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
-
-
-
-def _wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s} s")
-        time.sleep(0.2)
 
 
 LISTEN = """\
@@ -163,11 +154,11 @@ def test_requeued_het_job_runs_again_with_its_restart_count(
     (tmp_path / "job.sh").write_text(REQUEUE_JOB)
     job = c.submit(tmp_path / "job.sh", tmp_path, {})
     try:
-        _wait_for(lambda: (tmp_path / "running").exists()
-                  and (tmp_path / "step-running").exists()
-                  and all(x.get("JobState") == "RUNNING" for x in c.job(job)),
-                  300, f"job {job} running")
-    except TimeoutError:
+        wait_for(lambda: (tmp_path / "running").exists()
+                 and (tmp_path / "step-running").exists()
+                 and all(x.get("JobState") == "RUNNING" for x in c.job(job)),
+                 300, f"job {job} running", interval_s=0.2)
+    except AssertionError:
         subprocess.run(["scancel", job], env=c.env, timeout=30)
         raise
     t0 = time.monotonic()
